@@ -1,0 +1,170 @@
+"""`ModelConfig`: one dataclass for every architecture edgellm supports, and its named presets.
+
+A preset is an architecture (norm flavour, RoPE flavour, scalings) with a default size; sizes are
+overridden with `ModelConfig.preset(name, dim=..., n_layers=...)`. Every field is plain data, so a
+config round-trips through JSON (checkpoints and export manifests carry it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgellm.runtime.errors import EdgeError, need
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "llama2"
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int | None = None  # None -> dim // n_heads (Qwen3 sets it explicitly)
+    hidden_dim: int = 688  # SwiGLU inner size F
+    max_seq_len: int = 512  # max positions the model is built for (LongRoPE's "cached length")
+    norm_eps: float = 1e-5
+    # "add": x * rsqrt(mean(x^2) + eps) (Llama, HF, seed 003); "clamp": rsqrt(clamp_min(mean(x^2), eps)) (seed 000)
+    norm_eps_mode: str = "add"
+    # "half": rotate-half pairs (x_i, x_{i+hd/2}) (HF); "interleaved": pairs (x0,x1),(x2,x3)... (seed 003, Meta, llama2.c)
+    rope_style: str = "half"
+    rope_theta: float = 10000.0
+    # LongRoPE (seed 002): per-frequency divisors, switched on the context length vs rope_original_max
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
+    rope_original_max: int | None = None
+    # XPos (seed 000): q * scale, k / scale, scale = ((2i/d + 0.4)/1.4) ** ((pos - center) / scale_base)
+    xpos: bool = False
+    xpos_scale_base: float = 512.0
+    xpos_center: int | None = None  # None -> max_seq_len // 2 (fixed, so cached keys stay valid)
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, MiniCPM4 option)
+    tie_embeddings: bool = False
+    # MiniCPM (seed 002): embeddings * scale_emb; branches * scale_depth / sqrt(L); hidden / (dim / dim_model_base)
+    scale_emb: float = 1.0
+    scale_depth: float | None = None
+    dim_model_base: int | None = None
+    # StellarByte (seed 000): LayerScale gammas (init value) and DropPath; dropouts act only in training
+    layerscale_init: float | None = None
+    drop_path: float = 0.0
+    dropout: float = 0.0
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # provenance only, never behaviour
+
+    def __post_init__(self) -> None:
+        need(self.preset in PRESETS, f"unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        need(self.head_dim is not None or self.dim % self.n_heads == 0,
+             f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        need(self.hd % 2 == 0, f"head_dim={self.hd} must be even for RoPE")
+        need(self.norm_eps_mode in ("add", "clamp"), f"norm_eps_mode must be add|clamp, got {self.norm_eps_mode!r}")
+        need(self.rope_style in ("half", "interleaved"), f"rope_style must be half|interleaved, got {self.rope_style!r}")
+        for name in ("rope_short_factor", "rope_long_factor"):
+            factor = getattr(self, name)
+            if factor is not None:
+                object.__setattr__(self, name, tuple(float(f) for f in factor))
+                need(len(factor) == self.hd // 2, f"{name} needs head_dim/2={self.hd // 2} values, got {len(factor)}")
+        need((self.rope_long_factor is None) == (self.rope_original_max is None),
+             "LongRoPE needs both rope_long_factor/rope_short_factor and rope_original_max")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+    # ---- derived values (never stored, so they cannot disagree with the fields) ----
+    @property
+    def hd(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def residual_scale(self) -> float:
+        """Multiplier of both residual branches: scale_depth / sqrt(L) (MiniCPM) or 1."""
+        return 1.0 if self.scale_depth is None else self.scale_depth / math.sqrt(self.n_layers)
+
+    @property
+    def width_scale(self) -> float:
+        """Divisor of the final hidden state before lm_head: dim / dim_model_base (MiniCPM) or 1."""
+        return 1.0 if self.dim_model_base is None else self.dim / self.dim_model_base
+
+    @property
+    def center(self) -> int:
+        return self.max_seq_len // 2 if self.xpos_center is None else self.xpos_center
+
+    # ---- construction and (de)serialisation ----
+    @classmethod
+    def preset_config(cls, name: str, **overrides: Any) -> ModelConfig:
+        need(name in PRESETS, f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+        data = {**PRESETS[name], **overrides}
+        if data.get("rope_long_factor") is not None and "rope_long_factor" not in overrides:
+            # the preset's illustrative LongRoPE factors follow the head size chosen by the overrides
+            probe = cls.from_dict({**data, "rope_short_factor": None, "rope_long_factor": None,
+                                   "rope_original_max": None})
+            data.update(_minicpm_factors(probe.hd // 2))
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise EdgeError(f"unknown config keys: {', '.join(unknown)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for key in ("rope_short_factor", "rope_long_factor"):
+            if out[key] is not None:
+                out[key] = list(out[key])
+        return out
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def n_params(self) -> int:
+        hd, d = self.hd, self.dim
+        attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
+        attn += (self.n_heads + 2 * self.n_kv_heads) * hd if self.qkv_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        mlp = 3 * d * self.hidden_dim
+        layer = attn + mlp + 2 * d + (2 * d if self.layerscale_init is not None else 0)
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * layer + d + head
+
+
+def _minicpm_factors(n: int) -> dict[str, Any]:
+    # Illustrative LongRoPE factors (MiniCPM4 ships its own per checkpoint): long factors grow with the
+    # wavelength, so low frequencies are stretched most; short factors are all 1.
+    return {
+        "rope_short_factor": tuple(1.0 for _ in range(n)),
+        "rope_long_factor": tuple(1.0 + 3.0 * i / max(n - 1, 1) for i in range(n)),
+    }
+
+
+# Architectures (seeds and HF families) at a small default size; HF/llama2.c loaders set real sizes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama2": dict(preset="llama2"),
+    "from-scratch": dict(preset="from-scratch", rope_style="interleaved", n_kv_heads=8, tie_embeddings=True),
+    "stellarbyte": dict(preset="stellarbyte", norm_eps_mode="clamp", xpos=True, xpos_scale_base=512.0,
+                        n_kv_heads=8, layerscale_init=1e-2, drop_path=0.0, dropout=0.0, norm_eps=1e-6),
+    "minicpm4": dict(preset="minicpm4", qk_norm=True, scale_emb=12.0, scale_depth=1.4, dim_model_base=64,
+                     max_seq_len=1024, rope_original_max=512, tie_embeddings=True, n_kv_heads=2,
+                     **_minicpm_factors(16)),
+    "qwen2": dict(preset="qwen2", qkv_bias=True, rope_theta=1_000_000.0, norm_eps=1e-6, n_kv_heads=2,
+                  tie_embeddings=True),
+    "qwen3": dict(preset="qwen3", qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6, n_kv_heads=2,
+                  head_dim=64, tie_embeddings=True),
+    "mistral": dict(preset="mistral", rope_theta=1_000_000.0, n_kv_heads=2),
+}
+
+# Reference shapes used by the benchmarks (random weights), on top of the architecture presets.
+SHAPES: dict[str, dict[str, Any]] = {
+    "stories15m": dict(preset="llama2", dim=288, n_layers=6, n_heads=6, n_kv_heads=6, hidden_dim=768,
+                       vocab_size=32000, max_seq_len=256),
+    "stories110m": dict(preset="llama2", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden_dim=2048,
+                        vocab_size=32000, max_seq_len=1024),
+    "qwen2.5-0.5b": dict(preset="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, hidden_dim=4864,
+                         vocab_size=151936, max_seq_len=2048, tie_embeddings=True),
+}

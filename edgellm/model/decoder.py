@@ -1,0 +1,83 @@
+"""The one decoder: embed -> N blocks -> head, with an explicit, caller-owned KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import Block, RMSNorm
+from .rope import Rotary
+
+KV = list[tuple[Tensor, Tensor]]
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, context_len: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg, context_len)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, self.rotary) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_eps_mode)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2 style init: N(0, 0.02), output projections scaled by 1/sqrt(2L)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def set_context_len(self, context_len: int) -> None:
+        """Build RoPE for this context (LongRoPE picks long or short factors by it)."""
+        self.rotary.set_context_len(context_len)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [B,S] int64 -> hidden [B,S,D] (times scale_emb)."""
+        h = self.embed(tokens)
+        if self.cfg.scale_emb != 1.0:
+            h = h * self.cfg.scale_emb
+        return F.dropout(h, self.cfg.dropout, self.training)
+
+    def head(self, h: Tensor) -> Tensor:
+        """hidden [B,S,D] -> logits [B,S,V]: final norm, width scaling, lm_head (tied or not)."""
+        h = self.norm(h)
+        if self.cfg.width_scale != 1.0:
+            h = h / self.cfg.width_scale
+        weight = self.embed.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return F.linear(h, weight)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, past: KV | None = None,
+                past_len: Tensor | None = None) -> tuple[Tensor, KV]:
+        """tokens [B,S] -> (logits [B,S,V], [(k_new, v_new) [B,KV,S,hd] per layer]).
+
+        `past` holds the static buffers [B,KV,max_seq,hd] of which the first `past_len` [B] rows are filled;
+        without it attention is causal over these S tokens alone (training, or a one-shot forward).
+        """
+        b, s = tokens.shape
+        if past is not None and past_len is None:
+            raise ValueError("past_len is required with a past cache")
+        if positions is None:
+            start = past_len.view(b, 1) if past is not None else 0
+            positions = torch.arange(s, device=tokens.device)[None, :] + start
+        h = self.embed_tokens(tokens)
+        new_kv: KV = []
+        for i, layer in enumerate(self.layers):
+            pk, pv = past[i] if past is not None else (None, None)
+            h, k, v = layer(h, positions, pk, pv, past_len)
+            new_kv.append((k, v))
+        return self.head(h), new_kv
+
+    def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        logits, _ = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

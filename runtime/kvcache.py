@@ -1,0 +1,59 @@
+"""The static KV cache and its one update rule.
+
+Every graph (and the PyTorch model, in the tests) takes the whole static cache as input,
+`past_key.{i}` / `past_value.{i}` of shape [1, n_kv, max_seq, head_dim], plus `past_len`, the number of
+filled rows, and returns only the S rows it computed, `present_key.{i}` / `present_value.{i}` of shape
+[1, n_kv, S, head_dim]. Returning only the new rows keeps outputs small (S rows, not max_seq) and leaves
+the buffers owned by the caller: they are allocated once and written in place here, never copied.
+`write_rows` is the only place new rows enter a cache, for onnxruntime and PyTorch alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import need
+
+
+def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
+    """Copy the first `count` of `rows` [1, n_kv, S, hd] into `cache` [1, n_kv, max_seq, hd] at `start`.
+
+    `count` < S when the last prefill chunk is padded: padded rows are never written.
+    """
+    need(0 <= start and start + count <= cache.shape[2],
+         f"KV cache overflow: rows {start}..{start + count} do not fit max_seq={cache.shape[2]}")
+    cache[:, :, start:start + count, :] = rows[:, :, :count, :]
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers and the number of filled rows."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, max_seq: int, head_dim: int,
+                 dtype: np.dtype = np.float32) -> None:
+        shape = (1, n_kv_heads, max_seq, head_dim)
+        # zeros, not empty: unfilled rows are masked out, but must never hold NaN/Inf (0 * NaN = NaN).
+        self.keys = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.values = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.max_seq = max_seq
+        self.length = 0
+
+    @property
+    def free(self) -> int:
+        return self.max_seq - self.length
+
+    def past_len(self) -> np.ndarray:
+        """The `past_len` graph input: [1] int64."""
+        return np.array([self.length], dtype=np.int64)
+
+    def write(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray, count: int) -> None:
+        """Write one layer's new rows at the current length (call `advance` once all layers are written)."""
+        write_rows(self.keys[layer], key_rows, self.length, count)
+        write_rows(self.values[layer], value_rows, self.length, count)
+
+    def advance(self, count: int) -> None:
+        need(self.length + count <= self.max_seq, f"KV cache overflow: {self.length}+{count} > {self.max_seq}")
+        self.length += count
+
+    def reset(self) -> None:
+        """Forget the context; the buffers stay allocated (stale rows are masked by past_len)."""
+        self.length = 0
