@@ -22,7 +22,7 @@ class ModelConfig:
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
-    n_kv_heads: int = 4
+    n_kv_heads: int | None = None  # None -> n_heads (multi-head attention); fewer -> GQA
     head_dim: int | None = None  # None -> dim // n_heads (Qwen3 sets it explicitly)
     hidden_dim: int = 688  # SwiGLU inner size F
     max_seq_len: int = 512  # max positions the model is built for (LongRoPE's "cached length")
@@ -56,6 +56,8 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # provenance only, never behaviour
 
     def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
         need(self.preset in PRESETS, f"unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
@@ -145,10 +147,10 @@ def _minicpm_factors(n: int) -> dict[str, Any]:
 
 # Architectures (seeds and HF families) at a small default size; HF/llama2.c loaders set real sizes.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama2": dict(preset="llama2"),
-    "from-scratch": dict(preset="from-scratch", rope_style="interleaved", n_kv_heads=8, tie_embeddings=True),
+    "llama2": dict(preset="llama2", n_kv_heads=4),
+    "from-scratch": dict(preset="from-scratch", rope_style="interleaved", tie_embeddings=True),
     "stellarbyte": dict(preset="stellarbyte", norm_eps_mode="clamp", xpos=True, xpos_scale_base=512.0,
-                        n_kv_heads=8, layerscale_init=1e-2, drop_path=0.0, dropout=0.0, norm_eps=1e-6),
+                        layerscale_init=1e-2, drop_path=0.0, dropout=0.0, norm_eps=1e-6),
     "minicpm4": dict(preset="minicpm4", qk_norm=True, scale_emb=12.0, scale_depth=1.4, dim_model_base=64,
                      max_seq_len=1024, rope_original_max=512, tie_embeddings=True, n_kv_heads=2,
                      **_minicpm_factors(16)),

@@ -1,0 +1,42 @@
+# edgellm's command index. `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+PIP    ?= $(PYTHON) -m pip
+STAMP  := .setup-done
+
+.PHONY: setup demo test test-fast lint bench bench-ortgenai arm64 clean help
+
+help:            ## list the targets
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+# torch first and pinned exactly: any other spec pulls several GB of CUDA packages.
+$(STAMP): pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[host,dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)  ## install edgellm with the host and dev extras (torch pinned ==2.13.0)
+
+demo: $(STAMP)   ## the main job: train the embedded default, export, quantize, run, diff (out/demo)
+	$(PYTHON) -m edgellm demo -o out/demo
+
+test: $(STAMP)   ## the whole test suite (what CI runs)
+	$(PYTHON) -m pytest tests
+
+test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
+	$(PYTHON) -m pytest tests -m 'not slow'
+
+lint: $(STAMP)   ## ruff
+	$(PYTHON) -m ruff check edgellm export runtime quant tests bench
+
+bench: $(STAMP)  ## speed/memory benchmarks (results go in the README)
+	$(PYTHON) bench/run_all.py
+
+bench-ortgenai: $(STAMP)  ## the same workload against onnxruntime-genai (bench-only extra)
+	$(PIP) install -q -e '.[bench]'
+	$(PYTHON) bench/ortgenai.py
+
+arm64: $(STAMP)  ## prove the runtime on aarch64 under qemu (numpy + onnxruntime only)
+	bash bench/arm64_check.sh
+
+clean:           ## remove build and demo outputs
+	rm -rf out build *.egg-info .pytest_cache $(STAMP)
