@@ -100,7 +100,7 @@ def test_longrope_switches_factors_on_context_and_scales_cos_sin():
     pos = 37
     for context, factors in ((256, cfg.rope_short_factor), (257, cfg.rope_long_factor), (1024, cfg.rope_long_factor)):
         cos, sin, _, _ = Rotary(cfg, context)(torch.tensor([[pos]]))
-        expected = [math.cos(pos * b / f) * mscale for b, f in zip(base, factors)]
+        expected = [math.cos(pos * b / f) * mscale for b, f in zip(base, factors, strict=True)]
         np.testing.assert_allclose(cos[0, 0, 0, : hd // 2].numpy(), expected, rtol=1e-5, atol=1e-6)
     assert cfg.rope_long_factor != cfg.rope_short_factor
     # no extension (max_seq_len <= original) -> scaling factor 1

@@ -1,0 +1,48 @@
+"""`edgellm info CHECKPOINT`: what a checkpoint is (source, preset, config), how many parameters, how big."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("info", help="describe a checkpoint (HF dir, llama2.c .bin, edgellm dir)",
+                            description="Load a checkpoint and print its source, preset, config, parameter "
+                                        "count and sizes.")
+    parser.add_argument("checkpoint", type=Path, help="HF directory, llama2.c .bin file or edgellm checkpoint dir")
+    parser.set_defaults(func=run)
+
+
+def _disk_bytes(path: Path) -> int:
+    """The checkpoint file, or the regular files directly inside a checkpoint directory."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def _value(value: object) -> str:
+    if isinstance(value, (list, tuple)) and len(value) > 6:  # LongRoPE factors: show the ends
+        head = ", ".join(f"{v:g}" for v in value[:3])
+        tail = ", ".join(f"{v:g}" for v in value[-2:])
+        return f"[{head}, ..., {tail}] ({len(value)} values)"
+    return str(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgellm.loaders import load_checkpoint  # torch is imported only when the verb runs
+
+    loaded = load_checkpoint(args.checkpoint)
+    cfg = loaded.config
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+    print(f"checkpoint: {args.checkpoint}")
+    print(f"source: {loaded.source}")
+    print(f"preset: {cfg.preset}")
+    print("config:")
+    for key, value in cfg.to_dict().items():
+        print(f"  {key}: {_value(value)}")
+    print(f"parameters: {n_params}")
+    print(f"size fp32: {n_params * 4 / 1e6:.2f} MB")
+    print(f"size on disk: {_disk_bytes(args.checkpoint) / 1e6:.2f} MB")
+    print(f"tokenizer: {loaded.tokenizer_path or 'none'}")
+    return 0

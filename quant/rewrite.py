@@ -1,0 +1,287 @@
+"""Rewrite the float weights of a loaded `onnx.ModelProto` (external data resolved) into quantized ones.
+
+    MatMul(A, B [K,N] init)  or  Gemm(A, B, C?, transB) with alpha = beta = 1, transA = 0
+      fast:      A --MatMulNBits(B_q [N,nb,blob], scales [N,nb], zp?)--> Y  [--Add(C)--> Y]
+      portable:  B_q [K,N] --DequantizeLinear(scale, zp?)--> B' ;  A --MatMul(B')--> Y  [--Add(C)--> Y]
+    Gather(E [V,D] init, ids, axis=0)  (the token embedding; int8 per row only)
+      ids --Gather(E_q [V,D] int8)--Cast(float)--[Sub(Cast(Gather(zp [V,1])))]--Mul(Gather(scale [V,1]))--> Y
+      so only the S gathered rows are dequantized, never the table.
+
+A `QuantPlan` (plan.py) picks a `QuantSpec` (or None = keep fp32) per weight from a `WeightSite` (initializer
+name, torch module path from the exporter's metadata, op, shape), so callers can mix precisions. Weights are
+quantized once per initializer even if several nodes share it (and once per plan across graphs, see
+`QuantPlan.quantize`); replaced initializers no longer used are dropped. onnxruntime note: with graph
+optimizations on, it fuses DequantizeLinear -> MatMul into MatMulNBits with `accuracy_level` = session
+config `session.qdq_matmulnbits_accuracy_level` (default 4), so on onnxruntime the portable format runs
+the same kernels as `fast`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgellm.runtime.errors import need
+
+from .methods import QuantSpec
+from .plan import (
+    DEFAULT_ACCURACY_LEVEL,
+    FORMATS,
+    QuantPlan,
+    WeightReport,
+    WeightSite,
+    by_pattern,
+)
+from .schemes import QuantizedWeight, pack_nibbles, to_dequantize_linear
+
+# the plan types lived here first: importers of rewrite keep working
+__all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "WeightReport", "WeightSite",
+           "by_pattern", "quantize_model"]
+
+# ---------------------------------------------------------------- finding weights
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _weight_use(node: onnx.NodeProto, inits: Mapping[str, TensorProto]) -> tuple[str, str] | None:
+    """(initializer, layout) if `node` reads a constant 2-D float32 weight we can rewrite; layout is
+    "kn" (MatMul B), "nk" (Gemm transB=1 B) or "rows" (Gather table)."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    a = _attrs(node)
+    if node.op_type == "MatMul":
+        name, layout = node.input[1], "kn"
+    elif node.op_type == "Gemm":
+        has_c = len(node.input) > 2 and node.input[2] != ""
+        if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or (has_c and a.get("beta", 1.0) != 1.0):
+            return None
+        name, layout = node.input[1], ("nk" if a.get("transB", 0) else "kn")
+    elif node.op_type == "Gather" and a.get("axis", 0) == 0:
+        name, layout = node.input[0], "rows"
+    else:
+        return None
+    t = inits.get(name)
+    if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2:
+        return None
+    need(t.data_location != TensorProto.EXTERNAL,
+         f"initializer {name} still lives in external data: load the model with load_external_data=True")
+    return name, layout
+
+
+def _module_of(node: onnx.NodeProto, init_name: str) -> str:
+    """Module path from torch.onnx's `pkg.torch.onnx.name_scopes` metadata, else from a `*.weight` name."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                break
+            if isinstance(scopes, list) and len(scopes) >= 2:
+                return str(scopes[-2])
+    return init_name[: -len(".weight")] if init_name.endswith(".weight") else ""
+
+
+# ---------------------------------------------------------------- building replacements
+
+class _Builder:
+    """Collects new initializers / nodes with graph-unique names."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.taken = {t.name for t in graph.initializer} | {v.name for v in graph.input}
+        self.taken |= {o for n in graph.node for o in n.output}
+        self.inits: list[TensorProto] = []
+        self.prologue: list[onnx.NodeProto] = []    # nodes fed only by initializers (DequantizeLinear)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}.{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def array(self, base: str, value: np.ndarray) -> tuple[str, int]:
+        name = self.fresh(base)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name, value.nbytes
+
+    def int4(self, base: str, values: np.ndarray, signed: bool) -> tuple[str, int]:
+        """A 4-bit ONNX initializer: row-major values packed two per byte, low nibble first."""
+        name = self.fresh(base)
+        packed = pack_nibbles(values.reshape(-1)).tobytes()
+        dtype = TensorProto.INT4 if signed else TensorProto.UINT4
+        self.inits.append(helper.make_tensor(name, dtype, list(values.shape), packed, raw=True))
+        return name, len(packed)
+
+
+def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan) -> tuple[list[str], int, dict]:
+    """MatMulNBits weight inputs [B, scales, zp?], their bytes and the shape attributes."""
+    arr = plan.nbits(qw)
+    names, total = [], 0
+    for suffix, value in (("q", arr.b), ("scales", arr.scales), ("zp", arr.zero_points)):
+        if value is not None:
+            n, size = b.array(f"{name}.{suffix}", value)
+            names.append(n)
+            total += size
+    return names, total, {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
+
+
+def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
+    """DequantizeLinear(B_q [K,N]) as a prologue node; returns its output name and the bytes stored."""
+    arr = to_dequantize_linear(qw)
+    signed = arr.zero_point is None
+    store = b.int4 if arr.bits == 4 else (lambda base, v, _s: b.array(base, v))
+    x, total = store(f"{name}.q", arr.x, signed)
+    scale, size = b.array(f"{name}.scale", arr.scale)
+    inputs, total = [x, scale], total + size
+    if arr.zero_point is not None:
+        zp, size = store(f"{name}.zp", arr.zero_point, False)
+        inputs, total = inputs + [zp], total + size
+    attrs = {"axis": arr.axis} | ({"block_size": arr.block_size} if arr.block_size else {})
+    out = b.fresh(f"{name}.dq")
+    b.prologue.append(helper.make_node("DequantizeLinear", inputs, [out], name=out, **attrs))
+    return out, total
+
+
+def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder) -> list[onnx.NodeProto]:
+    """`core` computes A @ W^T into the node's output; a Gemm's bias C becomes a following Add."""
+    out = node.output[0]
+    if node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2]:
+        core.output[:] = [out]
+        return [core]
+    mid = b.fresh(f"{out}/matmul")
+    core.output[:] = [mid]
+    return [core, helper.make_node("Add", [mid, node.input[2]], [out], name=f"{node.name}/bias")]
+
+
+def _gather_tables(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[list[str], int]:
+    """Int8 per-row embedding tables [codes [V,D], scale [V,1], zp [V,1]?] and their bytes."""
+    s = qw.scheme
+    need(s.bits == 8 and s.block_size == 0,
+         f"embedding {name}: only int8 per-row (block 0) is supported for Gather, got {s.label}")
+    codes = qw.codes[:, :qw.k]
+    parts = [("q", (codes.astype(np.int16) - s.mid).astype(np.int8) if s.symmetric else codes),
+             ("scale", qw.scales[:, :1])]                   # [V, 1]: gathers to [..., 1]
+    if not s.symmetric:
+        parts.append(("zp", qw.zero_points[:, :1]))
+    made = [b.array(f"{name}.{suffix}", value) for suffix, value in parts]
+    return [n for n, _ in made], sum(size for _, size in made)
+
+
+def _gather_nodes(node: onnx.NodeProto, tables: list[str], b: _Builder) -> list[onnx.NodeProto]:
+    """Gather codes and row scales, then dequantize only the gathered rows."""
+    ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
+    rows, rows_f, scale = b.fresh(f"{out}/q_rows"), b.fresh(f"{out}/rows"), b.fresh(f"{out}/scale")
+    nodes = [helper.make_node("Gather", [tables[0], ids], [rows], name=f"{p}/q", axis=0),
+             helper.make_node("Cast", [rows], [rows_f], name=f"{p}/cast", to=TensorProto.FLOAT),
+             helper.make_node("Gather", [tables[1], ids], [scale], name=f"{p}/scale", axis=0)]
+    if len(tables) == 3:                                    # asymmetric: subtract the row zero point
+        zp, zp_f, centred = b.fresh(f"{out}/zp"), b.fresh(f"{out}/zp_f"), b.fresh(f"{out}/centred")
+        nodes += [helper.make_node("Gather", [tables[2], ids], [zp], name=f"{p}/zp", axis=0),
+                  helper.make_node("Cast", [zp], [zp_f], name=f"{p}/zp_cast", to=TensorProto.FLOAT),
+                  helper.make_node("Sub", [rows_f, zp_f], [centred], name=f"{p}/centre")]
+        rows_f = centred
+    nodes.append(helper.make_node("Mul", [rows_f, scale], [out], name=f"{p}/dequant"))
+    return nodes
+
+
+# ---------------------------------------------------------------- the rewrite
+
+def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport]:
+    """Rewrite `model` in place following `plan`; one report per candidate weight (kept ones as "fp32")."""
+    graph = model.graph
+    graph_inputs = {v.name for v in graph.input}
+    inits = {t.name: t for t in graph.initializer if t.name not in graph_inputs}   # inputs can be overridden
+    nodes = list(graph.node)
+    uses: dict[tuple[str, str], list[int]] = {}             # (initializer, layout) -> node indices
+    for i, node in enumerate(nodes):
+        hit = _weight_use(node, inits)
+        if hit is not None:
+            uses.setdefault(hit, []).append(i)
+
+    b = _Builder(graph)
+    replace: dict[int, list[onnx.NodeProto]] = {}           # node index -> its replacement
+    reports: list[WeightReport] = []
+    opset_needed = 0
+    for (name, layout), where in uses.items():
+        w = numpy_helper.to_array(inits[name])
+        w = np.ascontiguousarray(w.T if layout == "kn" else w)  # canonical [N, K], rows contiguous
+        first = nodes[where[0]]
+        site = WeightSite(name, first.op_type, first.name, _module_of(first, name), w.shape)
+        spec = plan.choose(site)
+        if spec is None:
+            reports.append(WeightReport(name, site.module, site.op, site.shape, "fp32", w.nbytes, w.nbytes, 0.0, 0.0))
+            continue
+        qw, err = plan.quantize(site, w, spec)                  # memoised: once per weight and content
+        if layout == "rows":
+            tables, nbytes = _gather_tables(b, name, qw)
+            for i in where:
+                replace[i] = _gather_nodes(nodes[i], tables, b)
+        elif plan.format == "fast":
+            inputs, nbytes, shape_attrs = _nbits_inputs(b, name, qw, plan)
+            for i in where:
+                core = helper.make_node("MatMulNBits", [nodes[i].input[0], *inputs], [], name=nodes[i].name,
+                                        domain="com.microsoft", accuracy_level=plan.accuracy_level, **shape_attrs)
+                replace[i] = _matmul_nodes(nodes[i], core, b)
+        else:
+            dq, nbytes = _dq_output(b, name, qw)
+            opset_needed = max(opset_needed, 21 if spec.scheme.bits == 4 or spec.scheme.block_size else 13)
+            for i in where:
+                core = helper.make_node("MatMul", [nodes[i].input[0], dq], [], name=nodes[i].name)
+                replace[i] = _matmul_nodes(nodes[i], core, b)
+        reports.append(WeightReport(name, site.module, site.op, site.shape, plan.label(site, spec), w.nbytes, nbytes,
+                                    err.max_abs_err, err.rel_rms_err))
+
+    new_nodes = list(b.prologue)
+    for i, node in enumerate(nodes):
+        new_nodes.extend(replace.get(i, [node]))
+    graph.ClearField("node")
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(b.inits)
+    _drop_unused(graph, {name for name, _ in uses})
+    if any(n.domain == "com.microsoft" for n in graph.node):
+        _require_opset(model, "com.microsoft", 1)
+    if opset_needed:
+        # ops whose meaning changed in opsets 19..21 (decoder graphs use none): refuse rather than alter them
+        changed = {n.op_type for n in graph.node} & {"DFT", "GroupNormalization"}
+        need(not changed or _opset(model) >= opset_needed,
+             f"portable format needs opset {opset_needed}, but raising it would change {sorted(changed)}: "
+             f"export at opset {opset_needed} instead")
+        _require_opset(model, "", opset_needed)
+        model.ir_version = max(model.ir_version, 10)          # int4 and opset 21 need IR 10
+    return reports
+
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    used = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(node.input)
+        for attr in node.attribute:                        # If / Loop / Scan bodies read outer names
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                used |= _used_names(sub)
+    return used
+
+
+def _drop_unused(graph: onnx.GraphProto, candidates: set[str]) -> None:
+    """Remove the replaced initializers nothing reads any more (and their value_info)."""
+    dead = candidates - _used_names(graph)
+    for field_ in (graph.initializer, graph.value_info):   # delete in place: no copy of the other weights
+        for i in reversed([i for i, t in enumerate(field_) if t.name in dead]):
+            del field_[i]
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
+
+
+def _require_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
+    """Raise (never lower) the opset import of `domain` to `version`, adding it if missing."""
+    for op in model.opset_import:
+        if op.domain == domain or (domain == "" and op.domain == "ai.onnx"):
+            op.version = max(op.version, version)
+            return
+    model.opset_import.append(helper.make_opsetid(domain, version))

@@ -1,0 +1,303 @@
+"""Weight quantization schemes: integer codes, dequantization, error, and the two on-disk packings.
+
+Canonical layout: every function here takes a weight `w` of shape [N, K] (N outputs, K inputs: the
+`nn.Linear` layout). Blocks run along K, which is also how `com.microsoft::MatMulNBits` stores B. An
+ONNX `MatMul` initializer is [K, N], so the rewrite passes `B.T`.
+
+Codes are always stored unsigned, with a zero point: dequantized = (code - zero_point) * scale.
+  symmetric:  q = clip(round(w / s), -2^(b-1), 2^(b-1) - 1), code = q + 2^(b-1), zero_point = 2^(b-1)
+              (MatMulNBits' implicit zero point; ONNX int8/int4 takes q itself with no zero point)
+  asymmetric: code = clip(round(w / s) + zp, 0, 2^b - 1), zp = round(-lo / s), with the block range
+              [lo, hi] widened to include 0 (as MLAS does) so zp is an exact integer inside [0, 2^b - 1].
+Rounding is half-to-even (`np.rint`), as ONNX QuantizeLinear and MLAS' vector quantizers do. The kernels
+only ever dequantize, so any rounding is "correct" for them; half-to-even keeps the RTN bound
+|w - dequantize(w)| <= scale / 2 and is unbiased.
+
+Packings:
+  MatMulNBits (bits 4|8): B uint8 [N, n_blocks, block_size * bits / 8], codes along K, low nibble first;
+    scales float32 [N, n_blocks]; zero_points uint8 [N, ceil(n_blocks * bits / 8)] packed the same way,
+    omitted when symmetric. K is zero-padded to n_blocks * block_size (pad codes = zero point). The CPU
+    kernel takes block_size 16..256 only, so a per-channel weight is stored as 256-blocks that repeat its
+    row scale (`expand_per_channel`): same codes, same numerics.
+  DequantizeLinear (opset 21): x [K, N] int8/uint8 or int4/uint4 (two per byte, low nibble first, in
+    row-major order, as ONNX packs 4-bit tensors); per-axis: scale [N], axis=1; block-wise: scale
+    [ceil(K / block_size), N], axis=0, block_size attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgellm.runtime.errors import need
+
+BLOCK_SIZES = (0, 16, 32, 64, 128, 256)
+_CHUNK_ELEMENTS = 1 << 22       # work on ~4M weights at a time: bounded memory even for a 150k-row lm_head
+
+
+def row_chunks(n: int, k: int) -> list[slice]:
+    """Row ranges of ~4M elements covering [0, n)."""
+    rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one weight is quantized: `bits` 4|8; `block_size` along K (0 = one block per output channel)."""
+
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        need(self.bits in (4, 8), f"quantization bits must be 4 or 8, got {self.bits}")
+        # 16..256 is what onnxruntime's CPU MatMulNBits kernel accepts (the op schema allows any power of 2)
+        need(self.block_size in BLOCK_SIZES,
+             f"quantization block size must be 0 (per channel) or one of 16, 32, 64, 128, 256, got {self.block_size}")
+
+    @property
+    def label(self) -> str:
+        group = f"g{self.block_size}" if self.block_size else "ch"
+        return f"int{self.bits}-{group}-{'sym' if self.symmetric else 'asym'}"
+
+    def block_len(self, k: int) -> int:
+        return self.block_size or k
+
+    def n_blocks(self, k: int) -> int:
+        return -(-k // self.block_len(k))
+
+    @property
+    def qmax(self) -> int:
+        """Largest unsigned code, 2^bits - 1."""
+        return (1 << self.bits) - 1
+
+    @property
+    def mid(self) -> int:
+        """Implicit zero point of symmetric codes, 2^(bits-1)."""
+        return 1 << (self.bits - 1)
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized [N, K] weight in the canonical unpacked form every packing is made from."""
+
+    scheme: Scheme
+    k: int                     # true K; codes may be padded past it
+    codes: np.ndarray          # uint8 [N, n_blocks * block_len], unsigned codes in [0, 2^bits - 1]
+    scales: np.ndarray         # float32 [N, n_blocks]
+    zero_points: np.ndarray    # uint8 [N, n_blocks] (all 2^(bits-1) when symmetric)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.k)
+
+    def rows(self, sl: slice) -> QuantizedWeight:
+        return QuantizedWeight(self.scheme, self.k, self.codes[sl], self.scales[sl], self.zero_points[sl])
+
+
+@dataclass(frozen=True)
+class QuantError:
+    max_abs_err: float
+    rel_rms_err: float         # ||W - Wq||_F / ||W||_F
+
+
+# ---------------------------------------------------------------- blocks, parameters, codes
+
+def to_blocks(w: np.ndarray, block_len: int) -> np.ndarray:
+    """[N, K] -> float32 [N, n_blocks, block_len], zero-padded along K."""
+    need(w.ndim == 2, f"weight must be 2-D [N, K], got shape {w.shape}")
+    n, k = w.shape
+    nb = -(-k // block_len)
+    out = np.zeros((n, nb * block_len), np.float32)
+    out[:, :k] = w
+    return out.reshape(n, nb, block_len)
+
+
+def block_range(wb: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block (lo, hi) [N, n_blocks] that the codes must cover; always contains 0."""
+    if symmetric:
+        amax = np.abs(wb).max(axis=-1)
+        return -amax, amax
+    return np.minimum(wb.min(axis=-1), 0.0), np.maximum(wb.max(axis=-1), 0.0)
+
+
+def params_from_range(lo: np.ndarray, hi: np.ndarray, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
+    """Scale float32 and zero point uint8 [N, n_blocks] mapping [lo, hi] (lo <= 0 <= hi) onto the codes."""
+    if scheme.symmetric:
+        # symmetric: |w| <= hi maps into [-(2^(b-1) - 1), 2^(b-1) - 1], so RTN never clamps
+        scale = (hi / (scheme.mid - 1)).astype(np.float32)
+        zp = np.full(scale.shape, scheme.mid, np.uint8)
+        return scale, zp
+    scale = ((hi - lo) / scheme.qmax).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1.0)
+    zp = np.clip(np.rint(-lo / safe), 0, scheme.qmax)
+    return scale, np.where(scale > 0, zp, scheme.mid).astype(np.uint8)
+
+
+def codes_for(wb: np.ndarray, scale: np.ndarray, zp: np.ndarray, scheme: Scheme) -> np.ndarray:
+    """Round blocks [N, nb, bl] onto the grid given per-block scale/zp [N, nb] -> uint8 codes, same shape."""
+    s = scale[..., None]
+    q = np.where(s > 0, np.rint(wb / np.where(s > 0, s, 1.0)), 0.0) + zp[..., None].astype(np.float32)
+    return np.clip(q, 0, scheme.qmax).astype(np.uint8)
+
+
+def dequantize_blocks(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
+    """uint8 codes [N, nb, bl] -> float32 [N, nb, bl], exactly (code - zp) * scale in float32."""
+    return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
+
+
+def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
+             zero_points: np.ndarray | None = None) -> QuantizedWeight:
+    """Quantize w [N, K]; scales/zero_points [N, n_blocks] default to round-to-nearest over the full range."""
+    n, k = w.shape
+    bl, nb = scheme.block_len(k), scheme.n_blocks(k)
+    if scales is None:
+        params = [params_from_range(*block_range(to_blocks(w[sl], bl), scheme.symmetric), scheme)
+                  for sl in row_chunks(n, k)]
+        scales, zero_points = (np.concatenate(p) for p in zip(*params, strict=True))
+    elif zero_points is None:
+        zero_points = np.full(scales.shape, scheme.mid, np.uint8)
+    need(scales.shape == (n, nb) and zero_points.shape == (n, nb),
+         f"scales and zero points must be [{n}, {nb}] for a [{n}, {k}] weight, got {scales.shape}")
+    need(not scheme.symmetric or bool(np.all(zero_points == scheme.mid)),
+         "symmetric quantization needs every zero point at 2^(bits-1)")
+    scales = np.ascontiguousarray(scales, np.float32)
+    zero_points = np.ascontiguousarray(zero_points, np.uint8)
+    codes = np.empty((n, nb * bl), np.uint8)
+    for sl in row_chunks(n, k):
+        codes[sl] = codes_for(to_blocks(w[sl], bl), scales[sl], zero_points[sl], scheme).reshape(-1, nb * bl)
+    return QuantizedWeight(scheme, k, codes, scales, zero_points)
+
+
+def dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """QuantizedWeight -> float32 [N, K], the weight every packing below encodes."""
+    n, nb = qw.scales.shape
+    blocks = dequantize_blocks(qw.codes.reshape(n, nb, -1), qw.scales, qw.zero_points)
+    return blocks.reshape(n, -1)[:, :qw.k]
+
+
+def quant_error(w: np.ndarray, qw: QuantizedWeight) -> QuantError:
+    """Max |W - dequantize(Wq)| and relative RMS error ||W - Wq|| / ||W|| (0 for an all-zero W)."""
+    worst, err2, norm2 = 0.0, 0.0, 0.0
+    for sl in row_chunks(*w.shape):
+        ref = np.asarray(w[sl], np.float32)
+        d = ref - dequantize(qw.rows(sl))
+        worst = max(worst, float(np.abs(d).max(initial=0.0)))
+        err2 += float(np.sum(d * d, dtype=np.float64))
+        norm2 += float(np.sum(ref * ref, dtype=np.float64))
+    return QuantError(worst, float(np.sqrt(err2 / norm2)) if norm2 else 0.0)
+
+
+# ---------------------------------------------------------------- 4-bit packing
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Pairs along the last axis -> one byte each, first value in the low nibble (int4 as two's complement).
+
+    An odd last axis is padded with a zero nibble.
+    """
+    v = np.asarray(values)
+    v = (v.view(np.uint8) if v.dtype == np.int8 else v.astype(np.uint8)) & np.uint8(0xF)
+    if v.shape[-1] % 2:
+        v = np.concatenate([v, np.zeros(v.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray, count: int, signed: bool = False) -> np.ndarray:
+    """Inverse of `pack_nibbles`: bytes [..., m] -> [..., count] uint8 (or int8 when `signed`)."""
+    p = np.asarray(packed, np.uint8)
+    v = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[:-1] + (-1,))[..., :count]
+    if signed:
+        return np.where(v >= 8, v.astype(np.int16) - 16, v).astype(np.int8)
+    return v
+
+
+# ---------------------------------------------------------------- com.microsoft::MatMulNBits
+
+@dataclass
+class NBitsArrays:
+    """The initializers of one MatMulNBits node (see the module docstring for layouts)."""
+
+    b: np.ndarray                    # uint8 [N, n_blocks, blob_size]
+    scales: np.ndarray               # float32 [N, n_blocks]
+    zero_points: np.ndarray | None   # uint8 [N, ceil(n_blocks * bits / 8)], None when symmetric
+    bits: int
+    block_size: int
+    k: int
+    n: int
+
+
+def expand_per_channel(qw: QuantizedWeight, block_size: int = 0) -> QuantizedWeight:
+    """Re-express a per-channel weight block-wise with the same codes: each row's scale repeated per block.
+
+    MatMulNBits has no per-channel form (its CPU kernel takes blocks of 16..256), but this keeps the exact
+    per-channel numerics at a cost of 4 bytes per block. The default block is 256 (1.6% overhead, and the
+    fastest int8 block measured), or the smallest power of two >= K when K is below 256.
+    """
+    need(qw.scheme.block_size == 0, f"expand_per_channel needs a per-channel weight, got {qw.scheme.label}")
+    block_size = block_size or min(256, max(16, 1 << (qw.k - 1).bit_length()))
+    scheme = Scheme(qw.scheme.bits, block_size, qw.scheme.symmetric)
+    n, nb = qw.codes.shape[0], scheme.n_blocks(qw.k)
+    codes = np.empty((n, nb * block_size), np.uint8)
+    codes[:] = qw.zero_points[:, :1]           # padding decodes to 0
+    codes[:, :qw.k] = qw.codes[:, :qw.k]
+    return QuantizedWeight(scheme, qw.k, codes, np.repeat(qw.scales[:, :1], nb, axis=1),
+                           np.repeat(qw.zero_points[:, :1], nb, axis=1))
+
+
+def to_matmulnbits(qw: QuantizedWeight) -> NBitsArrays:
+    """Pack a QuantizedWeight for MatMulNBits (a per-channel weight goes through `expand_per_channel`)."""
+    if qw.scheme.block_size == 0:
+        qw = expand_per_channel(qw)
+    s = qw.scheme
+    n, nb = qw.scales.shape
+    blocks = qw.codes.reshape(n, nb, s.block_size)
+    b = pack_nibbles(blocks) if s.bits == 4 else blocks.copy()
+    zp = None
+    if not s.symmetric:
+        zp = pack_nibbles(qw.zero_points) if s.bits == 4 else qw.zero_points.copy()
+    return NBitsArrays(b, qw.scales.copy(), zp, s.bits, s.block_size, qw.k, n)
+
+
+def from_matmulnbits(arrays: NBitsArrays) -> QuantizedWeight:
+    """Unpack MatMulNBits initializers back to the canonical form (tests and error reports)."""
+    n, nb, _ = arrays.b.shape
+    bs = arrays.block_size
+    symmetric = arrays.zero_points is None
+    scheme = Scheme(arrays.bits, bs, symmetric)
+    codes = unpack_nibbles(arrays.b, bs) if arrays.bits == 4 else arrays.b
+    if symmetric:
+        zp = np.full((n, nb), scheme.mid, np.uint8)
+    else:
+        zp = unpack_nibbles(arrays.zero_points, nb) if arrays.bits == 4 else arrays.zero_points
+    return QuantizedWeight(scheme, arrays.k, codes.reshape(n, nb * bs), arrays.scales, zp)
+
+
+# ---------------------------------------------------------------- ONNX DequantizeLinear (opset 21)
+
+@dataclass
+class DQArrays:
+    """DequantizeLinear inputs for a MatMul B of shape [K, N]; 4-bit values unpacked (pack on write)."""
+
+    x: np.ndarray                    # [K, N] int8 (symmetric) or uint8 (asymmetric) values
+    scale: np.ndarray                # float32 [N] (per-axis) or [n_blocks, N] (block-wise)
+    zero_point: np.ndarray | None    # uint8, same shape as scale; None when symmetric
+    axis: int                        # 1 per-axis (over N), 0 block-wise (blocks along K)
+    block_size: int                  # 0 = per-axis
+    bits: int
+
+
+def to_dequantize_linear(qw: QuantizedWeight) -> DQArrays:
+    """Canonical [N, K] codes -> DequantizeLinear arrays in MatMul layout [K, N]."""
+    s = qw.scheme
+    codes = qw.codes[:, :qw.k]
+    if s.symmetric:
+        x = (codes.astype(np.int16) - s.mid).astype(np.int8).T.copy()
+        zp = None
+    else:
+        x = codes.T.copy()
+        zp = qw.zero_points.T.copy()
+    scale = qw.scales.T.copy()
+    if s.block_size == 0:     # one block per output channel: the per-axis form
+        return DQArrays(x, scale[0], None if zp is None else zp[0], 1, 0, s.bits)
+    return DQArrays(x, scale, zp, 0, s.block_size, s.bits)

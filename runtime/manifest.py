@@ -1,0 +1,380 @@
+"""manifest.json: the one file the runtime reads first, describing an export directory.
+
+Format "edgellm-export", versions (bump on any change to graph I/O names, cache layout or file layout;
+readers accept exactly the versions listed):
+  1  embed/layer/head graphs (granularity "layer") or one model graph (granularity "model"), each at
+     S = prefill_chunk and S = 1, sharing one external-data file; static KV cache [1, n_kv, max_seq, hd];
+     graphs return only the S new rows (present_*). Every file listed with sha256 and byte size.
+
+Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
+checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EdgeError, need
+from .fileio import atomic_write_text, safe_join, sha256_file
+from .sampling import SamplingParams
+
+FORMAT = "edgellm-export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head"), "model": ("model",)}
+_MAX_MANIFEST_BYTES = 64 << 20
+_NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_LAYERS = 1024  # sanity bound: a corrupt n_layers must not make validation build billions of names
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float32", "int64"
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str                 # "layer_3.decode"; keys `verification`
+    role: str                 # embed | layer | head | model
+    layer: int | None         # the layer index for role "layer", else None
+    seq: int                  # S: prefill_chunk or 1
+    file: str                 # the .onnx file, relative to the export dir
+    data: str | None          # its external-data file (shared by the prefill and decode variants)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes graph I/O shapes are made of."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dim: int
+    vocab_size: int
+    max_seq: int
+
+
+def dims_from_config(config: dict, max_seq: int) -> Dims:
+    """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads."""
+    need(isinstance(config, dict), "config: expected an object")
+
+    def size(key: str) -> int:
+        need(key in config, f"config: missing key {key!r}")
+        need(_is_int(config[key]) and config[key] > 0, f"config.{key}: expected a positive integer")
+        return config[key]
+
+    need(size("n_layers") <= _MAX_LAYERS, f"config.n_layers: expected <= {_MAX_LAYERS}")
+    head_dim = size("head_dim") if config.get("head_dim") is not None else size("dim") // size("n_heads")
+    need(head_dim > 0, "config: dim // n_heads must be positive")
+    return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq)
+
+
+def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
+    """(graph name, .onnx file, external-data file) in the standard layout: ("layer_3.decode", ...)."""
+    stem = f"layer_{layer}" if role == "layer" else role
+    name = f"{stem}.{'decode' if seq == 1 else 'prefill'}"
+    return name, f"{name}.onnx", f"{stem}.data"
+
+
+def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[TensorSpec, ...],
+                                                                          tuple[TensorSpec, ...]]:
+    """The fixed (inputs, outputs) of a graph; see docs/design.md "Graph I/O names"."""
+    d, s = dims, seq
+
+    def f32(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(name, shape, "float32")
+
+    def i64(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(name, shape, "int64")
+
+    if role == "embed":
+        return (i64("tokens", 1, s),), (f32("hidden", 1, s, d.dim),)
+    if role == "head":
+        return (f32("hidden", 1, s, d.dim),), (f32("logits", 1, s, d.vocab_size),)
+    need(role in ("layer", "model"), f"graph role: expected one of embed, layer, head, model, got {role!r}")
+    layers = [layer] if role == "layer" else list(range(d.n_layers))
+    first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
+    first_out = f32("hidden_out", 1, s, d.dim) if role == "layer" else f32("logits", 1, s, d.vocab_size)
+    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
+    present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
+    return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An export directory's description. Constructing one validates it (EdgeError naming the key)."""
+
+    edgellm_version: str
+    preset: str | None
+    config: dict                                 # ModelConfig fields, as plain JSON
+    granularity: str                             # "layer" | "model"
+    max_seq: int
+    prefill_chunk: int
+    opset: int
+    graphs: tuple[GraphSpec, ...]
+    files: dict[str, FileSpec]                   # every file but manifest.json, by relative path
+    tokenizer: dict | None = None                # {"file": relpath, "kind": str}
+    bos_id: int | None = None
+    eos_id: int | None = None
+    sampler: dict = field(default_factory=dict)  # SamplingParams fields (defaults for `edgellm run`)
+    quantization: dict | None = None             # None for fp32
+    export_options: dict = field(default_factory=dict)
+    verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| vs PyTorch
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def dims(self) -> Dims:
+        return dims_from_config(self.config, self.max_seq)
+
+    @property
+    def n_layers(self) -> int:
+        return self.dims.n_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.dims.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dims.head_dim
+
+    @property
+    def dim(self) -> int:
+        return self.dims.dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
+
+    def graph(self, role: str, seq: int, layer: int | None = None) -> GraphSpec:
+        for g in self.graphs:
+            if (g.role, g.seq, g.layer) == (role, seq, layer):
+                return g
+        raise EdgeError(f"manifest: no {role} graph with seq={seq}" + (f", layer={layer}" if layer is not None else ""))
+
+    def validate(self) -> None:
+        """Cross-field checks; types are checked when parsing JSON."""
+        roles = ROLES_BY_GRANULARITY.get(self.granularity)
+        need(roles is not None, f"granularity: expected 'layer' or 'model', got {self.granularity!r}")
+        need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
+        need(1 <= self.prefill_chunk <= self.max_seq,
+             f"prefill_chunk: expected 1..max_seq={self.max_seq}, got {self.prefill_chunk}")
+        need(self.opset >= 1, f"opset: expected >= 1, got {self.opset}")
+        dims = self.dims
+        need(MANIFEST not in self.files, f"files: must not list {MANIFEST} itself")
+        for rel, spec in self.files.items():
+            need(bool(_SHA256.fullmatch(spec.sha256)), f"files[{rel!r}].sha256: expected 64 lowercase hex digits")
+            need(spec.bytes >= 0, f"files[{rel!r}].bytes: expected >= 0, got {spec.bytes}")
+        seqs = {1, self.prefill_chunk}
+        seen: dict[tuple, str] = {}
+        names: set[str] = set()
+        for n, g in enumerate(self.graphs):
+            where = f"graphs[{n}] ({g.name})"
+            need(g.name not in names, f"{where}: duplicate graph name")
+            names.add(g.name)
+            need(g.role in roles, f"{where}.role: expected one of {list(roles)} for granularity "
+                                  f"{self.granularity!r}, got {g.role!r}")
+            need((g.role == "layer") == (g.layer is not None), f"{where}.layer: expected an index for role "
+                                                               f"'layer' and null otherwise, got {g.layer!r}")
+            need(g.layer is None or 0 <= g.layer < dims.n_layers, f"{where}.layer: expected 0..{dims.n_layers - 1}")
+            need(g.seq in seqs, f"{where}.seq: expected 1 or prefill_chunk={self.prefill_chunk}, got {g.seq}")
+            key = (g.role, g.layer, g.seq)
+            need(key not in seen, f"{where}: same role/layer/seq as {seen.get(key)}")
+            seen[key] = g.name
+            for rel in (g.file, g.data):
+                need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
+            _check_io(g, dims, where)
+        # every key seen is valid and unique, so comparing counts finds a missing graph
+        want = [(r, i, s) for r in roles for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
+        missing = [k for k in want if k not in seen]
+        need(not missing, f"graphs: missing (role, layer, seq) {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if self.tokenizer is not None:
+            need(set(self.tokenizer) == {"file", "kind"}, "tokenizer: expected keys 'file' and 'kind'")
+            file = self.tokenizer["file"]
+            need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
+            need(isinstance(self.tokenizer["kind"], str) and bool(self.tokenizer["kind"]),
+                 "tokenizer.kind: expected a non-empty string")
+        for key in ("bos_id", "eos_id"):
+            tok = getattr(self, key)
+            need(tok is None or 0 <= tok < dims.vocab_size, f"{key}: expected 0..{dims.vocab_size - 1}, got {tok}")
+        SamplingParams.from_dict(self.sampler, "sampler")
+        for name, diff in self.verification.items():
+            need(diff >= 0, f"verification[{name!r}]: expected a max |diff| >= 0, got {diff}")
+
+    def to_json(self) -> str:
+        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}  # fields in design.md order
+        try:
+            text = json.dumps(doc, indent=2, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise EdgeError(f"manifest: cannot be written as JSON: {err}") from None
+        # one line per shape: a raw newline never occurs inside a JSON string, so only real arrays match
+        return re.sub(rf"\[\n\s*({_NUM}(?:,\n\s*{_NUM})*)\n\s*\]",
+                      lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+    def write(self, directory: Path) -> Path:
+        """Check the listed files exist with their sizes, then write manifest.json atomically (it goes last)."""
+        directory = Path(directory)
+        _check_files(directory, self.files, hash_files=False)
+        path = directory / MANIFEST
+        atomic_write_text(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and validate (no file checks). EdgeError names the key at fault, never KeyError."""
+        try:
+            doc = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise EdgeError(f"not valid JSON ({err})") from None
+        return _parse(doc)
+
+
+def describe_files(directory: Path, relpaths: list[str]) -> dict[str, FileSpec]:
+    """The `files` entry for files already written under `directory`."""
+    files = {}
+    for rel in relpaths:
+        path = safe_join(Path(directory), rel)
+        files[rel] = FileSpec(sha256_file(path), path.stat().st_size)
+    return files
+
+
+def read_manifest(directory: Path, verify: bool = True) -> Manifest:
+    """Read and check `directory/manifest.json`; sizes are always checked, sha256 too when `verify`."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    try:
+        need(path.stat().st_size <= _MAX_MANIFEST_BYTES, f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise EdgeError(f"{path}: not found (expected an edgellm export directory)") from None
+    except OSError as err:
+        raise EdgeError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        manifest = Manifest.from_json(raw)
+        _check_files(directory, manifest.files, hash_files=verify)
+    except EdgeError as err:
+        raise EdgeError(f"{path}: {err}") from None
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_io(g: GraphSpec, dims: Dims, where: str) -> None:
+    want_in, want_out = graph_io(g.role, g.seq, g.layer, dims)
+    for side, got, want in (("inputs", g.inputs, want_in), ("outputs", g.outputs, want_out)):
+        need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
+             f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")
+        by_name = {t.name: t for t in got}
+        for t in want:
+            have = by_name[t.name]
+            need(have == t, f"{where}.{side}.{t.name}: expected {list(t.shape)} {t.dtype}, "
+                            f"got {list(have.shape)} {have.dtype}")
+
+
+def _check_files(directory: Path, files: dict[str, FileSpec], hash_files: bool) -> None:
+    for rel, spec in files.items():
+        path = safe_join(directory, rel)
+        try:
+            need(path.is_file(), f"{path}: listed in files but missing")
+            size = path.stat().st_size
+            need(size == spec.bytes, f"{path}: {size} bytes, the manifest says {spec.bytes} (truncated copy?)")
+            need(not hash_files or sha256_file(path) == spec.sha256, f"{path}: sha256 differs from the manifest")
+        except OSError as err:
+            raise EdgeError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _no_constant(name: str) -> None:
+    raise EdgeError(f"{name} is not allowed in manifest.json")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# JSON schemas, key -> JSON type ("?": may be null). Keys are exact: a missing or unknown key is an error.
+# The keys are the dataclass field names, so a checked object is passed on with **.
+_TENSOR = {"name": "string", "shape": "array", "dtype": "string"}
+_GRAPH = {"name": "string", "role": "string", "layer": "integer?", "seq": "integer", "file": "string",
+          "data": "string?", "inputs": "array", "outputs": "array"}
+_FILE = {"sha256": "string", "bytes": "integer"}
+_TOP = {"format": "string", "format_version": "integer", "edgellm_version": "string", "preset": "string?",
+        "config": "object", "granularity": "string", "max_seq": "integer", "prefill_chunk": "integer",
+        "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
+        "eos_id": "integer?", "sampler": "object", "quantization": "object?", "export_options": "object",
+        "verification": "object"}
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "object": dict, "array": list}
+
+
+def _json_type(x: object) -> str:
+    if x is None or isinstance(x, bool):
+        return "null" if x is None else "boolean"
+    return next((k for k, t in _JSON_TYPES.items() if isinstance(x, t)), type(x).__name__)
+
+
+def _check_type(value: object, kind: str, where: str) -> None:
+    if value is None and kind.endswith("?"):
+        return
+    ok = isinstance(value, _JSON_TYPES[kind.rstrip("?")]) and not isinstance(value, bool)
+    ok = ok and (kind != "number" or math.isfinite(value))
+    need(ok, f"{where}: expected {kind.rstrip('?')}{' or null' if kind.endswith('?') else ''}, "
+             f"got {_json_type(value)}")
+
+
+def _fields(value: object, schema: dict[str, str], where: str) -> dict[str, Any]:
+    need(isinstance(value, dict), f"{where or 'manifest'}: expected an object, got {_json_type(value)}")
+    missing = [k for k in schema if k not in value]
+    need(not missing, f"{where or 'manifest'}: missing key(s) {missing}")
+    unknown = sorted(set(value) - set(schema))
+    need(not unknown, f"{where or 'manifest'}: unknown key(s) {unknown}")
+    for key, kind in schema.items():
+        _check_type(value[key], kind, f"{where}.{key}" if where else key)
+    return value
+
+
+def _tensor(value: object, where: str) -> TensorSpec:
+    t = _fields(value, _TENSOR, where)
+    for i, n in enumerate(t["shape"]):
+        need(_is_int(n) and n >= 1, f"{where}.shape[{i}]: expected a positive integer, got {n!r}")
+    return TensorSpec(t["name"], tuple(t["shape"]), t["dtype"])
+
+
+def _graph(value: object, where: str) -> GraphSpec:
+    g = _fields(value, _GRAPH, where)
+    io = {side: tuple(_tensor(t, f"{where}.{side}[{i}]") for i, t in enumerate(g[side]))
+          for side in ("inputs", "outputs")}
+    return GraphSpec(**{**g, **io})
+
+
+def _parse(doc: object) -> Manifest:
+    need(isinstance(doc, dict), f"expected a JSON object, got {_json_type(doc)}")
+    # format and version first: another version may have other keys, and must get this message
+    need(doc.get("format") == FORMAT, f"format: expected {FORMAT!r}, got {doc.get('format')!r}")
+    version = doc.get("format_version")
+    need(_is_int(version), f"format_version: expected an integer, got {version!r}")
+    need(version == FORMAT_VERSION, f"format_version {version} is not supported (this edgellm reads {FORMAT_VERSION})")
+    d = _fields(doc, _TOP, "")
+    for name, diff in d["verification"].items():
+        _check_type(diff, "number", f"verification[{name!r}]")
+    fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
+    fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
+    fields["files"] = {rel: FileSpec(**_fields(f, _FILE, f"files[{rel!r}]")) for rel, f in d["files"].items()}
+    return Manifest(**fields)

@@ -1,0 +1,306 @@
+"""manifest.json and the file helpers: round trips, loud rejections naming the key or file, path escapes,
+atomic outputs, and byte-level fuzzing that must only ever produce EdgeError."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.fileio import atomic_dir, atomic_write_bytes, safe_join, sha256_file
+from edgellm.runtime.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    GraphSpec,
+    Manifest,
+    describe_files,
+    dims_from_config,
+    graph_io,
+    graph_paths,
+    read_manifest,
+)
+
+CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim": 16, "vocab_size": 32,
+          "rope_theta": 10000.0, "rope_scaling": [1.0, 0.5]}
+
+
+def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4) -> Manifest:
+    """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
+    root.mkdir(parents=True, exist_ok=True)
+    dims = dims_from_config(CONFIG, max_seq=16)
+    roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
+    graphs = []
+    for role, layer in roles:
+        for seq in sorted({prefill_chunk, 1}, reverse=True):
+            name, file, data = graph_paths(role, seq, layer)
+            inputs, outputs = graph_io(role, seq, layer, dims)
+            graphs.append(GraphSpec(name, role, layer, seq, file, data, inputs, outputs))
+            (root / file).write_bytes(f"onnx {name}".encode())
+            (root / data).write_bytes(f"weights of {data}".encode() * 10)
+    (root / "tokenizer.json").write_text('{"model": {}}')
+    relpaths = sorted({g.file for g in graphs} | {g.data for g in graphs} | {"tokenizer.json"})
+    manifest = Manifest(
+        edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, max_seq=16,
+        prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
+        tokenizer={"file": "tokenizer.json", "kind": "hf"}, bos_id=1, eos_id=2,
+        sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
+        verification={g.name: 1e-6 for g in graphs},
+    )
+    manifest.write(root)
+    return manifest
+
+
+def edit(root: Path, change) -> None:
+    doc = json.loads((root / MANIFEST).read_text())
+    change(doc)
+    (root / MANIFEST).write_text(json.dumps(doc))
+
+
+def rejects(root: Path, match: str, verify: bool = True) -> None:
+    with pytest.raises(EdgeError, match=match):
+        read_manifest(root, verify=verify)
+
+
+# -------------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("granularity,chunk", [("layer", 4), ("model", 4), ("layer", 1)])
+def test_round_trip(tmp_path: Path, granularity: str, chunk: int) -> None:
+    written = make_export(tmp_path, granularity, chunk)
+    text = (tmp_path / MANIFEST).read_text()
+    got = read_manifest(tmp_path)
+    assert got == written
+    assert got.to_json() == text
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 1
+    assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
+    assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
+    if granularity == "layer":
+        g = got.graph("layer", 1, layer=1)
+        assert (g.name, g.file, g.data) == ("layer_1.decode", "layer_1.decode.onnx", "layer_1.data")
+        assert [t.name for t in g.inputs] == ["hidden", "positions", "past_len", "past_key.1", "past_value.1"]
+        assert [t.name for t in g.outputs] == ["hidden_out", "present_key.1", "present_value.1"]
+    else:
+        g = got.graph("model", chunk)
+        assert g.inputs[3].shape == (1, 2, 16, 4) and g.outputs[0].shape == (1, chunk, 32)
+        assert [t.name for t in g.outputs] == ["logits", "present_key.0", "present_value.0",
+                                               "present_key.1", "present_value.1"]
+    with pytest.raises(EdgeError, match="no head graph with seq=3"):
+        got.graph("head", 3)
+
+
+# ----------------------------------------------------------------------------------------------- rejects
+
+
+def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
+    make_export(tmp_path)
+    edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1\)")
+    edit(tmp_path, lambda d: d.update(format="onnx-genai"))
+    rejects(tmp_path, "format: expected 'edgellm-export'")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d.pop("max_seq"), r"missing key\(s\) \['max_seq'\]"),
+    (lambda d: d.update(extra=1), r"unknown key\(s\) \['extra'\]"),
+    (lambda d: d["graphs"][0].update(seq="4"), r"graphs\[0\]\.seq: expected integer, got string"),
+    (lambda d: d["graphs"][0]["inputs"][0].pop("dtype"), r"graphs\[0\]\.inputs\[0\]: missing key"),
+    (lambda d: d["graphs"][2]["inputs"][3].update(name="past_key.7"), r"graphs\[2\].*inputs: expected names"),
+    (lambda d: d["graphs"][2]["outputs"][1].update(shape=[1, 2, 16, 4]), r"present_key\.0: expected \[1, 2, 4, 4\]"),
+    (lambda d: d["graphs"][0].update(seq=3), r"seq: expected 1 or prefill_chunk=4"),
+    (lambda d: d["graphs"][0].update(role="model"), "role: expected one of"),
+    (lambda d: d["graphs"].pop(3), r"missing \(role, layer, seq\) \[\('layer', 0, 1\)\]"),
+    (lambda d: d["files"].pop("head.data"), "'head.data' is not listed in files"),
+    (lambda d: d["config"].pop("n_kv_heads"), "config: missing key 'n_kv_heads'"),
+    (lambda d: d.update(eos_id=32), r"eos_id: expected 0\.\.31"),
+    (lambda d: d.update(sampler={"top_p": 2}), "sampler: --top-p"),
+    (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
+    (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),
+])
+def test_malformed_manifest_names_the_key(tmp_path: Path, change, match: str) -> None:
+    make_export(tmp_path)
+    edit(tmp_path, change)
+    rejects(tmp_path, match)
+
+
+def test_not_json_and_missing_manifest(tmp_path: Path) -> None:
+    rejects(tmp_path, "manifest.json: not found")
+    (tmp_path / MANIFEST).write_bytes(b"\xff\xfe{")
+    rejects(tmp_path, "manifest.json: not valid JSON")
+    (tmp_path / MANIFEST).write_text('{"format_version": NaN}')
+    rejects(tmp_path, "NaN is not allowed")
+
+
+def test_missing_truncated_and_altered_files(tmp_path: Path) -> None:
+    make_export(tmp_path)
+    data = tmp_path / "layer_1.data"
+    original = data.read_bytes()
+    data.write_bytes(original[:-1])
+    rejects(tmp_path, r"layer_1\.data: \d+ bytes, the manifest says")
+    data.write_bytes(original[:-1] + b"X")  # same size, other bytes
+    rejects(tmp_path, r"layer_1\.data: sha256 differs")
+    read_manifest(tmp_path, verify=False)  # sizes only: the hash is skipped
+    data.unlink()
+    rejects(tmp_path, r"layer_1\.data: listed in files but missing", verify=False)
+
+
+@pytest.mark.parametrize("rel", ["../x", "/etc/passwd", "a/../../x", "a\\..\\x", "C:x", "", "."])
+def test_path_escapes_are_refused(tmp_path: Path, rel: str) -> None:
+    root = tmp_path / "export"
+    make_export(root)
+    (tmp_path / "x").write_text("outside")
+    edit(root, lambda d: d["files"].update({rel: {"sha256": "0" * 64, "bytes": 7}}))
+    rejects(root, "unsafe path")
+    with pytest.raises(EdgeError, match="unsafe path"):
+        safe_join(root, rel)
+
+
+def test_symlink_out_of_the_directory_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "export"
+    make_export(root)
+    secret = tmp_path / "secret.data"
+    secret.write_bytes(b"weights of head.data" * 10)  # would even pass the size and hash checks
+    (root / "head.data").unlink()
+    os.symlink(secret, root / "head.data")
+    rejects(root, "'head.data' resolves outside the directory")
+    os.symlink(tmp_path, root / "up")
+    with pytest.raises(EdgeError, match="resolves outside"):
+        safe_join(root, "up/secret.data")
+    os.symlink("loop", root / "loop")
+    with pytest.raises(EdgeError, match="loop"):
+        safe_join(root, "loop/x")
+    assert safe_join(root, "sub//./head.data") == root / "sub" / "head.data"
+
+
+def test_write_refuses_a_manifest_whose_files_are_absent(tmp_path: Path) -> None:
+    manifest = make_export(tmp_path / "a")
+    with pytest.raises(EdgeError, match="embed.data: listed in files but missing"):
+        manifest.write(tmp_path / "b")
+    assert not (tmp_path / "b" / MANIFEST).exists()
+
+
+@settings(max_examples=300, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.one_of(st.none(), st.floats(0, 1)))
+def test_fuzzed_manifest_bytes_only_ever_raise_edge_error(tmp_path: Path, edits, cut) -> None:
+    root = tmp_path / "fuzz"
+    if not (root / MANIFEST).exists():
+        make_export(root)
+        (root / "valid.json").write_bytes((root / MANIFEST).read_bytes())
+    raw = bytearray((root / "valid.json").read_bytes())
+    for where, byte in edits:
+        raw[int(where * len(raw))] = byte
+    if cut is not None:
+        raw = raw[: int(cut * len(raw))]
+    (root / MANIFEST).write_bytes(bytes(raw))
+    try:
+        read_manifest(root)  # a corruption can keep it valid (a space for a newline, a digit in a version)
+    except EdgeError as err:
+        assert "\n" not in str(err) and str(err).startswith(str(root / MANIFEST))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 40) | st.floats(-1, 4) | st.sampled_from(["", "layer", "../x", "int64"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["file", "kind", "name"]), inner, max_size=2),
+    max_leaves=6)
+
+
+def nodes(tree: object, path: tuple = ()) -> list[tuple]:
+    """Paths of every value in a JSON tree."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    return [path] + [p for key, value in items for p in nodes(value, (*path, key))]
+
+
+@settings(max_examples=300, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_manifest_values_only_ever_raise_edge_error(tmp_path: Path, data) -> None:
+    """Replace or delete random values of a valid manifest: the validator must stay total (no TypeError).
+
+    deadline=5000 ms per example: a corrupt count must never make validation hang."""
+    if not (tmp_path / MANIFEST).exists():  # one tmp_path for all examples: build the export once
+        make_export(tmp_path)
+    doc = json.loads((tmp_path / MANIFEST).read_text())
+    for _ in range(data.draw(st.integers(1, 3))):
+        *parents, key = data.draw(st.sampled_from(nodes(doc)[1:]))
+        parent = doc
+        for k in parents:
+            parent = parent[k]
+        if data.draw(st.booleans()):
+            parent[key] = data.draw(json_values)
+        else:
+            del parent[key]
+    try:
+        Manifest.from_json(json.dumps(doc))
+    except EdgeError:
+        pass
+
+
+# -------------------------------------------------------------------------------------------------- files
+
+
+def test_sha256_file_streams_large_files(tmp_path: Path) -> None:
+    data = os.urandom(3 * (1 << 20) + 17)  # spans several 1 MiB chunks
+    (tmp_path / "big").write_bytes(data)
+    assert sha256_file(tmp_path / "big") == hashlib.sha256(data).hexdigest()
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    atomic_write_bytes(path, b"one")
+    atomic_write_bytes(path, b"two")
+    assert path.read_bytes() == b"two"
+    assert os.listdir(tmp_path) == ["out.json"]
+
+
+def test_atomic_dir_leaves_nothing_on_exception(tmp_path: Path) -> None:
+    final = tmp_path / "export"
+    with pytest.raises(RuntimeError, match="boom"), atomic_dir(final) as tmp:
+        (tmp / "half.data").write_bytes(b"x")
+        raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == []
+    with atomic_dir(final) as tmp:  # an old complete output ...
+        (tmp / MANIFEST).write_text("old")
+    with pytest.raises(KeyboardInterrupt), atomic_dir(final, marker=MANIFEST) as tmp:
+        (tmp / MANIFEST).write_text("new")
+        raise KeyboardInterrupt
+    assert os.listdir(tmp_path) == ["export"] and (final / MANIFEST).read_text() == "old"  # ... survives
+
+
+def test_atomic_dir_replaces_an_old_complete_output(tmp_path: Path) -> None:
+    final = tmp_path / "export"
+    final.mkdir()
+    (final / MANIFEST).write_text("old")
+    (final / "stale.data").write_text("old weights")
+    with atomic_dir(final, marker=MANIFEST) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".export.tmp-") and not final.joinpath("x").exists()
+        (tmp / MANIFEST).write_text("new")
+    assert os.listdir(tmp_path) == ["export"]
+    assert os.listdir(final) == [MANIFEST] and (final / MANIFEST).read_text() == "new"
+
+
+def test_atomic_dir_refuses_to_replace_what_it_did_not_write(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("precious")
+    with pytest.raises(EdgeError, match="has no manifest.json, refusing to replace it"), \
+            atomic_dir(home, marker=MANIFEST):
+        pass
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(EdgeError, match="exists and is not a directory"), atomic_dir(tmp_path / "file"):
+        pass
+    assert (home / "thesis.tex").read_text() == "precious" and sorted(os.listdir(tmp_path)) == ["file", "home"]
+    with pytest.raises(EdgeError, match="file/out: cannot create the output directory"), \
+            atomic_dir(tmp_path / "file" / "out"):
+        pass
+    with pytest.raises(EdgeError, match="file/x: cannot write"):
+        atomic_write_bytes(tmp_path / "file" / "x", b"")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with atomic_dir(empty, marker=MANIFEST) as tmp:  # an empty directory holds nothing to lose
+        (tmp / MANIFEST).write_text("new")
+    assert os.listdir(empty) == [MANIFEST]
