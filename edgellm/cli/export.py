@@ -1,0 +1,46 @@
+"""`edgellm export CHECKPOINT -o DIR`: static-KV ONNX graphs + manifest.json, verified against PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+DEFAULT_MAX_SEQ = 512
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "export", help="export a checkpoint to ONNX graphs with a static KV cache (verified)",
+        description="Export a checkpoint to ONNX: embed/layer/head graphs (or one model graph), each at "
+                    "S = --prefill-chunk and S = 1, with a static KV cache of --max-seq rows. Every graph is "
+                    "checked against PyTorch in onnxruntime. An interrupted export resumes from DIR.partial.")
+    parser.add_argument("checkpoint", type=Path, help="HF directory, llama2.c .bin file or edgellm checkpoint dir")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="export directory to write")
+    parser.add_argument("--max-seq", type=int, default=None,
+                        help=f"context length of the static KV cache (default {DEFAULT_MAX_SEQ}, or the model's "
+                             "max_seq_len if smaller)")
+    parser.add_argument("--prefill-chunk", type=int, default=32, help="tokens per prefill graph call (default 32)")
+    parser.add_argument("--granularity", choices=("layer", "model"), default="layer",
+                        help="layer: embed + one graph per layer + head (default); model: one graph")
+    parser.add_argument("--atol", type=float, default=1e-4,
+                        help="max |onnxruntime - PyTorch| allowed on any output (default 1e-4)")
+    parser.add_argument("--opset", type=int, default=20, help="ONNX opset, 18..21 (default 20)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgellm.export import ExportOptions, export_model  # torch/onnx only when the verb runs
+    from edgellm.loaders import load_checkpoint
+
+    # the flags are checked before the (possibly slow) load; the model's own limits after it
+    max_seq = args.max_seq if args.max_seq is not None else DEFAULT_MAX_SEQ
+    options = ExportOptions(max_seq=max_seq, prefill_chunk=args.prefill_chunk, granularity=args.granularity,
+                            atol=args.atol, opset=args.opset)
+    options.validate()
+    loaded = load_checkpoint(args.checkpoint)
+    if args.max_seq is None and loaded.config.max_seq_len < max_seq:
+        options = dataclasses.replace(options, max_seq=loaded.config.max_seq_len)
+    export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress)
+    return 0

@@ -1,0 +1,158 @@
+"""`export_model`: Decoder -> export directory (graphs, data, tokenizer, manifest.json), verified.
+
+Work happens in `<out>.partial/`, journaled unit by unit so an interrupted export resumes; `<out>` appears
+(or replaces a previous export) in one rename at the very end, so it never holds a manifest that lists a
+missing file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from edgellm import __version__
+from edgellm.model import Decoder
+from edgellm.runtime.errors import need
+from edgellm.runtime.fileio import atomic_dir, sha256_file
+from edgellm.runtime.manifest import MANIFEST, FileSpec, GraphSpec, Manifest, dims_from_config
+from edgellm.runtime.sampling import SamplingParams
+
+from .e2e import check_end_to_end
+from .graphs import Unit, plan_units
+from .journal import Journal, UnitRecord, export_identity
+from .options import ExportOptions
+from .unit import export_unit, variant_seqs
+
+SAMPLER_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.0)
+TOKENIZER_KINDS = {".json": ("tokenizer.json", "hf"), ".bin": ("tokenizer.bin", "llama2c")}
+
+
+def _stderr(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: Path | None = None,
+                 log: Callable[[str], None] = _stderr, progress: bool = True) -> Manifest:
+    """Export, verify (every graph and end to end) and write `out`; returns the manifest written.
+
+    Leaves `model` in eval mode with its RoPE built for `options.max_seq` (what the graphs compute).
+    """
+    start = time.perf_counter()
+    out = Path(out)
+    cfg = model.cfg
+    options.validate(cfg)
+    need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
+    _check_target(out)
+    tok = _check_tokenizer(tokenizer)
+    model.eval()
+    model.set_context_len(options.max_seq)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq)
+
+    partial = out.with_name(out.name + ".partial")
+    journal = Journal.open(partial, export_identity(model, options), log)
+    units = plan_units(model, options.granularity)
+    seqs = variant_seqs(options)
+    records: dict[str, UnitRecord] = {}
+    with torch.no_grad(), tqdm(total=len(units) * len(seqs), desc="export", unit="graph", file=sys.stderr,
+                               disable=not progress, leave=False) as bar:
+        for unit in units:
+            bar.set_postfix_str(unit.stem)
+            rec, why = journal.reusable(unit.stem)
+            if rec is not None:
+                log(f"reusing {unit.stem} ({why})")
+                bar.update(len(seqs))
+            else:
+                if unit.stem in journal.units:
+                    log(f"re-exporting {unit.stem}: {why}")
+                journal.forget(unit.stem)
+                known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
+                rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                journal.record(unit.stem, rec)
+            records[unit.stem] = rec
+
+    e2e = check_end_to_end(model, partial, options.granularity, dims, options.prefill_chunk, options.seed)
+    need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
+                              f"> --atol {options.atol:g} (chunked prefill + decode, KVCache rule)")
+    files = {rel: FileSpec(sha, (partial / rel).stat().st_size)
+             for rec in records.values() for rel, sha in rec.files.items()}
+    tok_entry = None
+    if tok is not None:
+        rel, kind = TOKENIZER_KINDS[tok.suffix]
+        shutil.copyfile(tok, partial / rel)
+        files[rel] = FileSpec(sha256_file(partial / rel), (partial / rel).stat().st_size)
+        tok_entry = {"file": rel, "kind": kind}
+    verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
+    manifest = Manifest(
+        edgellm_version=__version__, preset=cfg.preset, config=cfg.to_dict(), granularity=options.granularity,
+        max_seq=options.max_seq, prefill_chunk=options.prefill_chunk, opset=options.opset,
+        graphs=tuple(_graph_specs(units, records, dims, seqs)), files=files, tokenizer=tok_entry,
+        bos_id=cfg.bos_id, eos_id=cfg.eos_id, sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
+        export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
+        verification={**verification, "end_to_end": e2e})
+
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
+    with atomic_dir(out, marker=MANIFEST) as tmp:
+        for rel in files:
+            _link_or_move(partial / rel, tmp / rel)
+        manifest.write(tmp)
+    shutil.rmtree(partial, ignore_errors=True)
+    for line in summary(units, records, files, e2e, time.perf_counter() - start, out):
+        log(line)
+    return manifest
+
+
+def _graph_specs(units: list[Unit], records: dict[str, UnitRecord], dims, seqs: list[int]) -> list[GraphSpec]:
+    specs = []
+    for unit in units:
+        for seq in seqs:
+            name, file, _, inputs, outputs = unit.graph(seq, dims)
+            specs.append(GraphSpec(name, unit.role, unit.layer, seq, file, records[unit.stem].data, inputs, outputs))
+    return specs
+
+
+def summary(units: list[Unit], records: dict[str, UnitRecord], files: dict[str, FileSpec], e2e: float,
+            seconds: float, out: Path) -> list[str]:
+    """The end-of-export table: unit, MB of its own files, max abs diff of each variant."""
+    lines = [f"{'graph':<12} {'MB':>9}  max |onnx - torch| per variant"]
+    for unit in units:
+        rec = records[unit.stem]
+        own = sum(files[rel].bytes for rel in rec.files if rel.startswith(f"{unit.stem}."))
+        diffs = "  ".join(f"{name.split('.')[-1]} {d:.2e}" for name, d in rec.verification.items())
+        lines.append(f"{unit.stem:<12} {own / 1e6:>9.2f}  {diffs}")
+    total = sum(f.bytes for f in files.values())
+    lines.append(f"{'end-to-end':<12} {'':>9}  {e2e:.2e} (chunked prefill + decode vs full forward)")
+    lines.append(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB) in {seconds:.1f} s")
+    return lines
+
+
+def _check_target(out: Path) -> None:
+    """Fail before any work if `out` could not be replaced at the end."""
+    need(not out.exists() or out.is_dir(), f"-o {out}: exists and is not a directory")
+    need(not out.exists() or (out / MANIFEST).is_file() or not any(out.iterdir()),
+         f"-o {out}: exists and holds no {MANIFEST}; refusing to replace it (choose a new or empty directory)")
+
+
+def _check_tokenizer(path: Path | None) -> Path | None:
+    if path is None:
+        return None
+    path = Path(path)
+    need(path.is_file(), f"{path}: tokenizer file not found")
+    need(path.suffix in TOKENIZER_KINDS, f"{path}: expected a tokenizer.json or tokenizer.bin")
+    return path
+
+
+def _link_or_move(src: Path, dst: Path) -> None:
+    """A hard link keeps the partial directory resumable until the final rename; move where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.move(src, dst)

@@ -1,0 +1,146 @@
+"""The modules that become ONNX graphs, one per export unit, each with the fixed I/O of design.md.
+
+A unit is what one journal entry covers: a stem ("embed", "layer_3", "head", "model") exported at S =
+prefill_chunk and S = 1, both variants pointing into one `<stem>.data`. The wrappers hold only the pieces
+of the `Decoder` they need, so tracing never lifts the other layers' weights; verification compares each
+graph with the `Decoder`'s own methods (`reference`), not with these wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgellm.model import Decoder
+from edgellm.runtime.manifest import Dims, TensorSpec, graph_io, graph_paths
+
+
+def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Tensor:
+    """tokens [1,S] -> [1,S,D]. Tied: gather columns of table.T [D,V], the very initializer the head's
+    MatMul(x, W[D,V]) uses, so the table is stored once; untied: a plain row Gather of [V,D]."""
+    if tied:
+        h = table.t().index_select(1, tokens.reshape(-1)).t().unsqueeze(0)
+    else:
+        h = F.embedding(tokens, table)
+    return h * scale if scale != 1.0 else h
+
+
+class EmbedGraph(nn.Module):
+    def __init__(self, model: Decoder) -> None:
+        super().__init__()
+        self.embed = model.embed
+        self.tied, self.scale = model.cfg.tie_embeddings, model.cfg.scale_emb
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return _embed_lookup(self.embed.weight, tokens, self.tied, self.scale)
+
+
+class LayerGraph(nn.Module):
+    def __init__(self, model: Decoder, layer: int) -> None:
+        super().__init__()
+        self.block = model.layers[layer]
+
+    def forward(self, hidden: Tensor, positions: Tensor, past_len: Tensor, past_key: Tensor,
+                past_value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.block(hidden, positions, past_key, past_value, past_len)
+
+
+class HeadGraph(nn.Module):
+    def __init__(self, model: Decoder) -> None:
+        super().__init__()
+        self.norm = model.norm
+        self.width_scale = model.cfg.width_scale
+        self.out = model.embed if model.cfg.tie_embeddings else model.lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        h = self.norm(hidden)
+        if self.width_scale != 1.0:
+            h = h / self.width_scale
+        return F.linear(h, self.out.weight)  # exported as MatMul(h, W.T) with W.T folded to [D,V]
+
+
+class ModelGraph(nn.Module):
+    """All of it: tokens, positions, past_len, past_key.0, past_value.0, ... -> logits, present_*."""
+
+    def __init__(self, model: Decoder) -> None:
+        super().__init__()
+        self.embed = EmbedGraph(model)
+        self.layers = nn.ModuleList(LayerGraph(model, i) for i in range(model.cfg.n_layers))
+        self.head = HeadGraph(model)
+
+    def forward(self, tokens: Tensor, positions: Tensor, past_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        h = self.embed(tokens)
+        present: list[Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, positions, past_len, past[2 * i], past[2 * i + 1])
+            present += [k, v]
+        return (self.head(h), *present)
+
+
+Reference = Callable[[dict[str, Tensor]], list[Tensor]]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One export unit: its stem, role, layer, the module to trace and the Decoder call it must match."""
+
+    stem: str
+    role: str
+    layer: int | None
+    module: nn.Module
+    reference: Reference
+    weight_prefixes: tuple[str, ...]  # state-dict names its initializers are named after
+
+    def graph(self, seq: int, dims: Dims) -> tuple[str, str, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """(graph name, .onnx file, data file, inputs, outputs) of the variant with S = seq."""
+        name, file, data = graph_paths(self.role, seq, self.layer)
+        return (name, file, data, *graph_io(self.role, seq, self.layer, dims))
+
+
+def plan_units(model: Decoder, granularity: str) -> list[Unit]:
+    """Export order: the head before the embedding, whose tied table points into head.data."""
+    n = model.cfg.n_layers
+    if granularity == "model":
+        return [Unit("model", "model", None, ModelGraph(model), _model_ref(model), ("",))]
+    head_prefixes = ("norm.", "embed." if model.cfg.tie_embeddings else "lm_head.")
+    units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes),
+             Unit("embed", "embed", None, EmbedGraph(model), lambda x: [model.embed_tokens(x["tokens"])],
+                  ("embed.",))]
+    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i), (f"layers.{i}.", "rotary."))
+              for i in range(n)]
+    return units
+
+
+def _layer_ref(model: Decoder, i: int) -> Reference:
+    def ref(x: dict[str, Tensor]) -> list[Tensor]:
+        return list(model.layers[i](x["hidden"], x["positions"], x[f"past_key.{i}"], x[f"past_value.{i}"],
+                                    x["past_len"]))
+    return ref
+
+
+def _model_ref(model: Decoder) -> Reference:
+    def ref(x: dict[str, Tensor]) -> list[Tensor]:
+        past = [(x[f"past_key.{i}"], x[f"past_value.{i}"]) for i in range(model.cfg.n_layers)]
+        logits, new_kv = model(x["tokens"], x["positions"], past, x["past_len"])
+        return [logits, *(t for kv in new_kv for t in kv)]
+    return ref
+
+
+def example_inputs(inputs: tuple[TensorSpec, ...], dims: Dims, gen: torch.Generator,
+                   past_len: int) -> dict[str, Tensor]:
+    """Seeded inputs: random tokens, N(0,1) hidden and a random full cache of which `past_len` rows count."""
+    out: dict[str, Tensor] = {}
+    for spec in inputs:
+        if spec.name == "tokens":
+            out[spec.name] = torch.randint(0, dims.vocab_size, spec.shape, generator=gen)
+        elif spec.name == "positions":
+            out[spec.name] = (torch.arange(spec.shape[1]) + past_len)[None, :]
+        elif spec.name == "past_len":
+            out[spec.name] = torch.tensor([past_len])
+        else:
+            out[spec.name] = torch.randn(spec.shape, generator=gen)
+    return out

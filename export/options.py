@@ -1,0 +1,43 @@
+"""`ExportOptions`: what `edgellm export` was asked to build, checked against the model before any work."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from edgellm.model import ModelConfig
+from edgellm.runtime.errors import need
+
+GRANULARITIES = ("layer", "model")
+# The dynamo exporter emits opset 18+; onnxruntime 1.20 (the oldest the board install allows) runs up to 21.
+OPSETS = range(18, 22)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    max_seq: int = 512         # static context: the KV-cache buffers are [1, n_kv, max_seq, hd]
+    prefill_chunk: int = 32    # S of the prefill graphs (decode graphs have S = 1)
+    granularity: str = "layer"  # "layer": embed + one graph per layer + head; "model": one graph
+    atol: float = 1e-4         # max |onnxruntime - PyTorch| allowed on any graph output
+    opset: int = 20
+    seed: int = 0              # of the verification inputs
+
+    def validate(self, cfg: ModelConfig | None = None) -> None:
+        """EdgeError naming the flag at fault; with `cfg`, also the limits the model sets."""
+        need(isinstance(self.max_seq, int) and self.max_seq >= 2,
+             f"--max-seq: expected an integer >= 2, got {self.max_seq!r}")
+        need(isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1,
+             f"--prefill-chunk: expected an integer >= 1, got {self.prefill_chunk!r}")
+        need(self.prefill_chunk <= self.max_seq,
+             f"--prefill-chunk {self.prefill_chunk} is larger than --max-seq {self.max_seq}")
+        need(self.granularity in GRANULARITIES,
+             f"--granularity: expected one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        need(isinstance(self.atol, (int, float)) and 0 < self.atol < float("inf"),
+             f"--atol: expected a positive number, got {self.atol!r}")
+        need(self.opset in OPSETS, f"--opset: expected {OPSETS.start}..{OPSETS.stop - 1}, got {self.opset!r}")
+        if cfg is not None:
+            need(self.max_seq <= cfg.max_seq_len,
+                 f"--max-seq {self.max_seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

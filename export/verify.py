@@ -1,0 +1,52 @@
+"""Export-time verification: every graph in onnxruntime against the Decoder on seeded inputs.
+
+Inputs include a non-empty cache of random rows (the rows past `past_len` must be masked out, so they are
+random too) and positions that start at `past_len`, not 0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import Tensor
+
+from .graphs import Reference
+
+
+def session(path: Path) -> ort.InferenceSession:
+    """A CPU session with default (full) graph optimisation, as the runtime creates it."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def max_abs_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """max |got - want| over all outputs; inf when a shape differs or anything is not finite."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g.shape != w.shape:
+            return math.inf
+        d = np.abs(g.astype(np.float64) - w.astype(np.float64))
+        if not np.isfinite(d).all():
+            return math.inf
+        worst = max(worst, float(d.max()) if d.size else 0.0)
+    return worst
+
+
+def verify_graph(path: Path, reference: Reference, inputs: dict[str, Tensor], output_names: list[str]) -> float:
+    """Run the .onnx file and the PyTorch reference on the same inputs; the max abs difference."""
+    sess = session(path)
+    got = sess.run(output_names, {k: v.numpy() for k, v in inputs.items()})
+    with torch.no_grad():
+        want = [t.numpy() for t in reference(inputs)]
+    return max_abs_diff(got, want)
+
+
+def verification_past_len(max_seq: int, seq: int, gen: torch.Generator) -> int:
+    """A random filled length in [1, max_seq - seq] (0 only when a chunk fills the whole context)."""
+    room = max_seq - seq
+    return int(torch.randint(1, room + 1, (1,), generator=gen)) if room >= 1 else 0
