@@ -1,0 +1,34 @@
+"""edgellm.quant: weight-only int8/int4 quantization of exported ONNX graphs (onnx + numpy; onnxruntime
+for calibration and checks).
+
+    schemes.py     integer codes, (de)quantization, the MatMulNBits and DequantizeLinear packings
+    methods.py     how scales are chosen: rtn, mse (optionally activation-weighted)
+    plan.py        QuantPlan: which weight gets which spec, memoised quantization
+    rewrite.py     one ModelProto: MatMul/Gemm -> MatMulNBits | DequantizeLinear+MatMul, Gather -> int8 rows
+    tied.py        the tied embedding lookup, sharing the lm_head's int8 table
+    options.py     `edgellm quantize` flags -> QuantPlan
+    calibrate.py   activation scales from the fp32 export itself (--method awq); runner.py runs it
+    storage.py     external data files, each tensor stored once
+    export_dir.py  quantize_export: an export directory -> a new quantized one
+    report.py      the per-weight table, KL / top-1 / perplexity
+
+Names are imported on first use, so `import edgellm.quant` does not load onnx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "quantize_export": "export_dir", "QuantizeResult": "export_dir", "QuantizeOptions": "options",
+    "QuantPlan": "plan", "WeightSite": "plan", "WeightReport": "plan", "by_pattern": "plan",
+    "QuantSpec": "methods", "quantize_weight": "methods", "Scheme": "schemes", "quantize_model": "rewrite",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,107 @@
+"""`edgellm quantize EXPORT -o DIR --bits 4|8`: weight-only int8/int4 quantization of an export directory.
+
+Values are parsed here (not by argparse `type=`/`choices=`) so that every bad flag is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from edgellm.runtime.errors import EdgeError, need
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize", help="int8/int4 weight quantization of an export (writes a new export directory)",
+        description="Quantize the weights of every linear (fused qkv, o, gate_up, down, lm_head) and optionally "
+                    "the embedding table of an fp32 export into a NEW export directory (the input is never "
+                    "modified). Linears follow --bits/--group-size/--method; the lm_head and embeddings have "
+                    "their own flags; --keep and --int8-layers mix precisions. Prints a per-weight table and "
+                    "checks the logits against the fp32 export.")
+    p.add_argument("export", type=Path, help="fp32 export directory (from `edgellm export`)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="quantized export directory to write")
+    p.add_argument("--bits", required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
+    p.add_argument("--group-size", default=None, metavar="N",
+                   help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
+                        "scale per output channel (default: 32 for --bits 4, 0 for --bits 8)")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
+                     help="zero point fixed at the middle code (default)")
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false",
+                     help="a zero point per group: covers one-sided ranges, +1 byte per 2 (int4) / 1 (int8) groups")
+    p.add_argument("--format", default="fast", metavar="{fast,portable}",
+                   help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
+                        "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
+    p.add_argument("--method", default="rtn", metavar="{rtn,mse,awq}",
+                   help="rtn: round to nearest (default); mse: per-group clip search for the least squared "
+                        "error; awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
+                        "gains and up rows) and a clip search weighted by activations the fp32 export produces "
+                        "on text it samples itself (int4)")
+    p.add_argument("--embeddings", default="int8", metavar="{int8,fp32}", help="int8 (per row, default) or fp32")
+    p.add_argument("--lm-head", default="int8", metavar="{int8,int4,fp32}",
+                   help="int8 (per channel, default), int4 (--group-size groups) or fp32. A tied int8 lm_head "
+                        "and int8 embeddings share one table")
+    p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
+                   help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
+                        "(repeatable)")
+    p.add_argument("--int8-layers", default=None, metavar="LIST",
+                   help="with --bits 4: these layers' linears int8 per channel, e.g. 0,-1 (first and last)")
+    p.add_argument("--accuracy-level", default="4", metavar="{0,1,4}",
+                   help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
+                        "0/1 = fp32 activations")
+    p.add_argument("--calibration-tokens", default="512", metavar="N",
+                   help="tokens the fp32 export samples for --method awq (default 512)")
+    p.add_argument("--seed", default="0", metavar="N", help="seed of the sampled calibration/check text (default 0)")
+    p.add_argument("--no-check", action="store_true", help="skip the logits check against the fp32 export")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _int(flag: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise EdgeError(f"{flag}: expected an integer, got {text!r}") from None
+
+
+def _layers(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    parts = [t.strip() for t in text.split(",")]
+    need(all(parts), f"--int8-layers: expected comma-separated layer indices like 0,-1, got {text!r}")
+    return tuple(dict.fromkeys(_int("--int8-layers", t) for t in parts))
+
+
+def options_from_args(args: argparse.Namespace):
+    from edgellm.quant.options import QuantizeOptions
+
+    options = QuantizeOptions(
+        bits=_int("--bits", args.bits),
+        group_size=None if args.group_size is None else _int("--group-size", args.group_size),
+        symmetric=args.symmetric, format=args.format, method=args.method, embeddings=args.embeddings,
+        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=_layers(args.int8_layers),
+        accuracy_level=_int("--accuracy-level", args.accuracy_level),
+        calibration_tokens=_int("--calibration-tokens", args.calibration_tokens), seed=_int("--seed", args.seed))
+    options.validate()
+    need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)            # flags first: no onnx import for a typo
+    from edgellm.quant.export_dir import quantize_export
+    from edgellm.quant.report import weight_table
+
+    result = quantize_export(args.export, args.output, options, check=not args.no_check,
+                             progress=not args.no_progress)
+    for line in weight_table(result.weights):
+        print(line)
+    b, a = result.files_before, result.files_after
+    print(f"export size: {b / 1e6:.2f} MB -> {a / 1e6:.2f} MB ({a / b:.3f}x)")
+    if result.check is not None:
+        c = result.check
+        print(f"check vs fp32 ({c.positions} sampled positions): top-1 agreement {c.top1_agreement:.1%}, "
+              f"mean KL {c.mean_kl:.2e}, max |logit diff| {c.max_abs_diff:.3g}")
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,230 @@
+"""`quantize_export`: an fp32 export directory -> a NEW quantized export directory (the input is only read).
+
+Per unit (head, embed, layer_i | model), both variants: load the graph with its weights, rewrite it
+(`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
+into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
+bytes). The plan's memo quantizes each weight once; it is kept from the head into the embedding unit (a
+tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer copied, every file
+hashed, an optional check of the logits against the fp32 export, manifest.json written last, and the
+directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from edgellm import __version__
+from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.fileio import atomic_dir, safe_join, sha256_file
+from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, describe_files, read_manifest
+
+from .awq import Migrator
+from .calibrate import Calibration, calibrate, sample_sequences
+from .options import QuantizeOptions, logical_name, unmatched_keeps
+from .plan import QuantPlan, WeightReport, WeightSite
+from .report import LogitComparison, compare_logits
+from .rewrite import quantize_model
+from .runner import ExportRunner
+from .storage import DataStore, prune_initializers
+from .tied import quantize_tied_gathers
+
+RECORD_VERSION = 1        # of the manifest's `quantization` object
+CHECK_TOKENS = 128        # positions compared against fp32 after quantizing (one sampled sequence)
+
+
+@dataclass
+class QuantizeResult:
+    manifest: Manifest
+    weights: list[tuple[str, WeightReport]]    # (display name, report), one per weight use
+    files_before: int                          # bytes of all files of the input / output export
+    files_after: int
+    check: LogitComparison | None
+    calibration: Calibration | None
+
+
+def _stderr(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def _check_paths(src: Path, out: Path) -> None:
+    s, o = src.resolve(), out.resolve()
+    need(s != o, f"-o {out}: is the input export itself; the input is never modified, choose a new directory")
+    need(not o.is_relative_to(s), f"-o {out}: is inside the input export {src}; choose a directory outside it")
+    need(not s.is_relative_to(o), f"-o {out}: contains the input export {src}; replacing it would delete the input")
+    need(not out.exists() or out.is_dir(), f"-o {out}: exists and is not a directory")
+    need(not out.exists() or (out / MANIFEST).is_file() or not any(out.iterdir()),
+         f"-o {out}: exists and holds no {MANIFEST}; refusing to replace it (choose a new or empty directory)")
+
+
+def _units(manifest: Manifest) -> list[tuple[str, list[GraphSpec]]]:
+    """(stem, its graphs) in write order: the head before the embedding that may read its table."""
+    order = {"model": 0, "head": 0, "embed": 1, "layer": 2}
+    units: dict[str, list[GraphSpec]] = {}
+    for g in sorted(manifest.graphs, key=lambda g: (order[g.role], g.layer or 0, -g.seq)):
+        units.setdefault(f"layer_{g.layer}" if g.role == "layer" else g.role, []).append(g)
+    return list(units.items())
+
+
+def _display_order(item: tuple[str, WeightReport]) -> tuple[int, int]:
+    """Embedding, then layer by layer (graph order within a layer: sorted() is stable), then the head."""
+    name, r = item
+    if r.op == "Gather":
+        return (0, 0)
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return (1, int(parts[1]))
+    return (2, 0)
+
+
+def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
+    """The weights a plan may see, read from the graphs alone (no weight data): matmul Bs and Gather tables."""
+    sites = []
+    for g in manifest.graphs:
+        if g.seq != manifest.prefill_chunk:
+            continue
+        graph = onnx.load(safe_join(src, g.file), load_external_data=False).graph
+        tables = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT}
+        for n in graph.node:
+            op = "Gather" if n.op_type == "Gather" else "MatMul"
+            name = n.input[0] if op == "Gather" else (n.input[1] if len(n.input) > 1 else "")
+            if n.op_type in ("MatMul", "Gemm", "Gather") and name in tables:
+                sites.append(WeightSite(name, op, n.name, name.removesuffix(".weight"), (0, 0)))
+    return sites
+
+
+def _site(r: WeightReport) -> WeightSite:
+    return WeightSite(r.name, r.op, "", r.module, r.shape)
+
+
+def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bool = True,
+                    progress: bool = True, log: Callable[[str], None] = _stderr) -> QuantizeResult:
+    """Quantize the export in `src` into `out` (created or replaced atomically); see the module docstring."""
+    src, out = Path(src), Path(out)
+    need(src.is_dir(), f"{src}: not a directory (expected an edgellm export directory)")
+    manifest = read_manifest(src)
+    need(manifest.quantization is None, f"{src}: already quantized; quantize the fp32 export instead")
+    _check_paths(src, out)
+    options.validate(manifest.n_layers)
+    missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
+    if missing:
+        raise EdgeError(f"--keep {missing[0]!r}: matches no weight (module paths look like "
+                        f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
+    calib = None
+    if options.method == "awq":
+        with tqdm(total=options.calibration_tokens, desc="calibrate", unit="tok", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update)
+        log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences sampled by the fp32 export")
+    plan = options.plan(manifest.n_layers, calib.act_scales if calib else None)
+    migrator = Migrator(plan, calib) if calib is not None else None
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
+    with atomic_dir(out, marker=MANIFEST) as tmp:
+        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress)
+        names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
+        rels = [g.file for g in graphs] + sorted({g.data for g in graphs if g.data})
+        if manifest.tokenizer is not None:
+            rel = manifest.tokenizer["file"]
+            shutil.copyfile(safe_join(src, rel), tmp / rel)
+            rels.append(rel)
+        files = describe_files(tmp, rels)
+        opset = max(_opset(tmp / g.file) for g in graphs)
+        new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
+                                  opset=opset, quantization={}, verification={})
+        comparison = _check(src, manifest, tmp, new, options.seed) if check else None
+        record = _record(options, plan, names, calib, comparison, manifest, src,
+                         migrator.alpha if migrator else {})
+        verification = {"end_to_end_vs_fp32": comparison.max_abs_diff} if comparison else {}
+        new = dataclasses.replace(new, quantization=record, verification=verification)
+        new.write(tmp)
+    before = sum(f.bytes for f in manifest.files.values())
+    after = sum(f.bytes for f in new.files.values())
+    return QuantizeResult(new, names, before, after, comparison, calib)
+
+
+def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
+                 progress: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
+    store = DataStore(tmp)
+    graphs: list[GraphSpec] = []
+    reports: dict[tuple[str, str], WeightReport] = {}     # (initializer, op) -> first report
+    try:
+        with tqdm(total=len(manifest.graphs), desc="quantize", unit="graph", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            for stem, specs in _units(manifest):
+                for g in specs:
+                    bar.set_postfix_str(g.name)
+                    model = onnx.load(safe_join(src, g.file), load_external_data=True)
+                    if migrator is not None:
+                        migrator.apply(model)          # AWQ scales, searched on the first variant
+                    found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
+                    prune_initializers(model.graph)
+                    data = store.place(model, f"{stem}.data")
+                    (tmp / g.file).write_bytes(model.SerializeToString())
+                    graphs.append(dataclasses.replace(g, data=data))
+                    for r in found:
+                        reports.setdefault((r.name, "Gather" if r.op == "Gather" else "MatMul"), r)
+                    del model
+                    bar.update()
+                if stem != "head":     # the embedding unit after the head may still need its tied table
+                    plan.memo.clear()
+    finally:
+        store.close()
+    order = {g.name: i for i, g in enumerate(manifest.graphs)}
+    graphs.sort(key=lambda g: order[g.name])
+    return graphs, reports
+
+
+def _opset(path: Path) -> int:
+    model = onnx.load(path, load_external_data=False)
+    return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
+
+
+def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest, seed: int) -> LogitComparison:
+    """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration)."""
+    (tokens,) = sample_sequences(src, min(CHECK_TOKENS, src_manifest.max_seq) - 1, seed + 1_000_003)
+    ref = ExportRunner(src, src_manifest).logits(tokens)
+    got = ExportRunner(tmp, new).logits(tokens)
+    comparison = compare_logits([ref], [got])
+    need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
+    return comparison
+
+
+def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, WeightReport]],
+            calib: Calibration | None, comparison: LogitComparison | None, src_manifest: Manifest,
+            src: Path, alpha: dict[str, float]) -> dict:
+    """The manifest's `quantization` object (version RECORD_VERSION)."""
+    weights = {}
+    for name, r in names:
+        spec = plan.choose(_site(r))
+        entry: dict = {"initializer": r.name, "op": r.op, "shape": list(r.shape),
+                       "bytes_before": r.bytes_before, "bytes_after": r.bytes_after}
+        if spec is None or r.scheme == "fp32":
+            entry |= {"bits": 32, "block_size": 0, "symmetric": None, "method": None, "format": "fp32",
+                      "max_abs_err": 0.0, "rel_rms_err": 0.0}
+        else:
+            entry |= {"bits": spec.scheme.bits, "block_size": spec.scheme.block_size,
+                      "symmetric": spec.scheme.symmetric, "method": r.scheme.rsplit("-", 1)[-1],
+                      "format": options.format, "max_abs_err": float(f"{r.max_abs_err:.6g}"),
+                      "rel_rms_err": float(f"{r.rel_rms_err:.6g}")}
+        if r.shared_with:
+            entry["shared_with"] = r.shared_with
+        if r.op != "Gather" and r.name in alpha:
+            entry["awq_alpha"] = alpha[r.name]      # 0: AWQ's search kept the unscaled weight
+        weights[name] = entry
+    before = sum(r.bytes_before for _, r in names if not r.shared_with)
+    after = sum(r.bytes_after for _, r in names)
+    return {"version": RECORD_VERSION, "tool": f"edgellm quantize {__version__}", "options": options.to_dict(),
+            "accuracy_level": options.accuracy_level if options.format == "fast" else None,
+            "source": {"preset": src_manifest.preset, "manifest_sha256": sha256_file(src / MANIFEST)},
+            "calibration": calib.to_dict() if calib else None,
+            "weight_bytes": {"before": before, "after": after},
+            "check": comparison.to_dict() if comparison else None,
+            "weights": weights}

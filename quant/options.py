@@ -1,0 +1,140 @@
+"""`QuantizeOptions`: what `edgellm quantize` was asked for, checked flag by flag, and the plan it makes.
+
+Which weight gets what (first match wins):
+  1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
+  2. the lm_head                 `--lm-head` int8 (per channel) | int4 (`--group-size`, default 32) | fp32
+  3. `--int8-layers 0,-1`        every linear of those layers int8 per channel (with `--bits 4`)
+  4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
+  5. the token embedding         `--embeddings` int8 (per row) | fp32
+Module paths are the state-dict ones of design.md; a tied lm_head (stored as `embed.weight`) answers to
+"lm_head" and the embedding table to "embed". `--method awq`: AWQ's scale migration (awq.py), then the
+`mse` clip search weighted by per-input-channel activation scales, both from calibrate.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from edgellm.runtime.errors import need
+
+from .methods import QuantSpec
+from .plan import Chooser, QuantPlan, WeightSite, by_pattern, site_matches
+from .schemes import Scheme
+
+BITS = (4, 8)
+GROUPS = (0, 16, 32, 64, 128, 256)      # 0 = one scale per output channel; 16..256: onnxruntime's kernel
+METHODS = ("rtn", "mse", "awq")
+EMBEDDINGS = ("int8", "fp32")
+LM_HEADS = ("int8", "int4", "fp32")
+ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
+TIED_NAMES = ("embed.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    bits: int = 4
+    group_size: int | None = None       # None: 32 for int4, 0 (per channel) for int8
+    symmetric: bool = True
+    format: str = "fast"
+    method: str = "rtn"
+    embeddings: str = "int8"
+    lm_head: str = "int8"
+    keep: tuple[str, ...] = ()
+    int8_layers: tuple[int, ...] = ()
+    accuracy_level: int = 4
+    calibration_tokens: int = 512
+    seed: int = 0
+
+    def validate(self, n_layers: int | None = None) -> None:
+        """EdgeError naming the flag; with `n_layers`, also the layer indices."""
+        need(self.bits in BITS, f"--bits: expected 4 or 8, got {self.bits!r}")
+        need(self.group_size is None or self.group_size in GROUPS,
+             f"--group-size: expected one of 32, 64, 128 (or 16, 256; 0 = per output channel), got {self.group_size!r}")
+        need(self.format in ("fast", "portable"), f"--format: expected fast or portable, got {self.format!r}")
+        need(self.method in METHODS, f"--method: expected one of {', '.join(METHODS)}, got {self.method!r}")
+        need(self.embeddings in EMBEDDINGS,
+             f"--embeddings: expected int8 or fp32, got {self.embeddings!r} (int4 embeddings are not supported: "
+             "a gathered row is used as is, with no matmul to average its rounding error away)")
+        need(self.lm_head in LM_HEADS, f"--lm-head: expected one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
+        need(self.accuracy_level in ACCURACY_LEVELS,
+             f"--accuracy-level: expected 0, 1 or 4, got {self.accuracy_level!r}")
+        need(self.format == "fast" or self.accuracy_level == 4,
+             "--accuracy-level: only for --format fast (a portable graph's level is onnxruntime's session "
+             "config session.qdq_matmulnbits_accuracy_level)")
+        need(isinstance(self.calibration_tokens, int) and 16 <= self.calibration_tokens <= 1_000_000,
+             f"--calibration-tokens: expected an integer in 16..1000000, got {self.calibration_tokens!r}")
+        need(not self.int8_layers or self.bits == 4,
+             "--int8-layers: only with --bits 4 (every layer is int8 already)")
+        for pattern in self.keep:
+            need(isinstance(pattern, str) and pattern != "", "--keep: expected a non-empty pattern")
+        if n_layers is not None:
+            bad = [i for i in self.int8_layers if not -n_layers <= i < n_layers]
+            need(not bad, f"--int8-layers: layer(s) {bad} out of range for a {n_layers}-layer model "
+                          f"(0..{n_layers - 1}, or -1 for the last)")
+
+    @property
+    def group(self) -> int:
+        if self.group_size is not None:
+            return self.group_size
+        return 32 if self.bits == 4 else 0
+
+    def _spec(self, scheme: Scheme) -> QuantSpec:
+        # awq is the mse search, made activation-aware by the plan's act_scales
+        return QuantSpec(scheme, "mse" if self.method == "awq" else self.method)
+
+    def linear_spec(self) -> QuantSpec:
+        return self._spec(Scheme(self.bits, self.group, self.symmetric))
+
+    def int8_spec(self) -> QuantSpec:
+        """Per-channel int8: the lm_head, the embedding table (per row) and `--int8-layers`."""
+        return self._spec(Scheme(8, 0, self.symmetric))
+
+    def lm_head_spec(self) -> QuantSpec | None:
+        if self.lm_head == "fp32":
+            return None
+        if self.lm_head == "int8":
+            return self.int8_spec()
+        return self._spec(Scheme(4, self.group or 32, self.symmetric))
+
+    def chooser(self, n_layers: int) -> Chooser:
+        rules: list[tuple[str, QuantSpec | None]] = [(p, None) for p in self.keep]
+        rules.append(("lm_head", self.lm_head_spec()))
+        rules += [(f"layers.{i % n_layers}.*", self.int8_spec()) for i in self.int8_layers]
+        embed = self.int8_spec() if self.embeddings == "int8" else None
+        inner = by_pattern(self.linear_spec(), rules, embed=embed, embed_pattern="embed")
+
+        def choose(site: WeightSite) -> QuantSpec | None:
+            return inner(logical_site(site))
+        return choose
+
+    def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None) -> QuantPlan:
+        return QuantPlan(self.chooser(n_layers), self.format, self.accuracy_level, dict(act_scales or {}),
+                         tight_channel_blocks=True)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["group_size"] = self.group
+        d["keep"], d["int8_layers"] = list(self.keep), list(self.int8_layers)
+        return d
+
+
+def logical_site(site: WeightSite) -> WeightSite:
+    """The site as the user names it (what `--keep` patterns see): a matmul reading the embedding table (a
+    tied lm_head) is module "lm_head", weight "lm_head.weight"; a row lookup in it is "embed"."""
+    if site.name in TIED_NAMES:
+        module = "embed" if site.op == "Gather" else "lm_head"
+        return WeightSite(f"{module}.weight", site.op, site.node, module, site.shape)
+    return site
+
+
+def logical_name(site: WeightSite) -> str:
+    """The weight's name in reports and the manifest (the state-dict name; `lm_head.weight` when tied)."""
+    return logical_site(site).name
+
+
+def unmatched_keeps(options: QuantizeOptions, sites: list[WeightSite]) -> list[str]:
+    """`--keep` patterns that matched no weight (almost always a typo)."""
+    return [p for p in options.keep if not any(site_matches(logical_site(s), p) for s in sites)]

@@ -1,0 +1,151 @@
+"""Quantization plans: which weight gets which `QuantSpec` (or stays fp32), in which on-disk format.
+
+A `QuantPlan` picks a spec per weight from a `WeightSite` (initializer name, torch module path, op, shape),
+so callers can mix precisions (`by_pattern`). It also owns the per-weight work the rewrite shares between
+graphs: `quantize` memoises by (name, spec, content), so the prefill and decode variants of a graph - and a
+tied table read by two graphs - are quantized once and packed into byte-identical initializers (which a
+content-keyed data file then stores once).
+
+Activation-aware ("awq" in reports): a `mse` spec whose weight has calibration scales in `act_scales`
+minimises the activation-weighted error ||(W - Wq) * mean|x| ||^2 instead of the plain one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from edgellm.runtime.errors import need
+
+from .methods import QuantSpec, quantize_weight
+from .schemes import (
+    NBitsArrays,
+    QuantError,
+    QuantizedWeight,
+    Scheme,
+    expand_per_channel,
+    quant_error,
+    to_matmulnbits,
+)
+
+FORMATS = ("fast", "portable")
+# Measured (x86 dev VM, ORT 1.31, [1,1,768] x [768,2048], 1 thread, median us, levels 0/1/4): int4 g32
+# 138/136/44, int4 g128 141/139/36, int8 g32 ~2700/2683/63, int8 g256 1794/2020/51; fp32 MatMul 275.
+# Level 4 (int8 activations per block) is 3-4x faster for int4 and ~40x for int8 (x86 has no fp32-activation
+# int8 kernel), at a relative output error of ~1e-2 instead of ~1e-7. ORT-genai also defaults to 4 on CPU.
+DEFAULT_ACCURACY_LEVEL = 4
+NBITS_BLOCKS = (256, 128, 64, 32, 16)   # what onnxruntime's CPU MatMulNBits kernel takes
+
+
+@dataclass(frozen=True)
+class WeightSite:
+    """One float initializer a plan may quantize."""
+
+    name: str                  # initializer name (torch's exporter names folded transposes `val_N`)
+    op: str                    # "MatMul" | "Gemm" | "Gather"
+    node: str                  # name of the first node using it
+    module: str                # torch module path, e.g. "layers.0.attn.qkv" ("" if unknown)
+    shape: tuple[int, int]     # canonical [N, K] for matmuls, [V, D] for Gather
+
+
+Chooser = Callable[[WeightSite], "QuantSpec | None"]
+
+
+def channel_block(k: int) -> int:
+    """MatMulNBits block for a per-channel weight of K inputs: the fewest bytes (codes incl. K padding +
+    a 4-byte scale per block), ties to the larger block. K = 288: 32 (324 B/row) where 256 would pad to
+    512 codes (520 B/row); any K that is a multiple of 256: 256."""
+    def row_bytes(bs: int) -> int:
+        nb = -(-k // bs)
+        return nb * (bs + 4)
+    return min(NBITS_BLOCKS, key=row_bytes)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    choose: Chooser
+    format: str = "fast"
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL              # MatMulNBits attribute (fast format)
+    act_scales: Mapping[str, np.ndarray] = field(default_factory=dict)   # initializer name -> [K], for mse
+    # per-channel weights in MatMulNBits: False = blocks of 256 (`expand_per_channel`'s default), True =
+    # `channel_block(K)`, which never pads K by more than a block of 16..256 chosen for the fewest bytes
+    tight_channel_blocks: bool = False
+    memo: dict = field(default_factory=dict, compare=False, repr=False)   # see `quantize`
+
+    def __post_init__(self) -> None:
+        need(self.format in FORMATS, f"quantization format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        need(self.accuracy_level in (0, 1, 2, 3, 4), f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+    def act_scale(self, site: WeightSite) -> np.ndarray | None:
+        """Calibration scales [K] for a matmul weight (a Gather's error does not depend on activations)."""
+        return None if site.op == "Gather" else self.act_scales.get(site.name)
+
+    def quantize(self, site: WeightSite, w: np.ndarray, spec: QuantSpec) -> tuple[QuantizedWeight, QuantError]:
+        """Quantize w [N, K] (canonical) once per (name, spec, act-awareness, content); later calls with the
+        same weight return the very same arrays."""
+        act = self.act_scale(site)
+        digest = hashlib.sha256(memoryview(np.ascontiguousarray(w)).cast("B")).hexdigest()
+        key = (site.name, spec, act is not None, w.shape, digest)
+        hit = self.memo.get(key)
+        if hit is None:
+            qw = quantize_weight(w, spec.scheme, spec.method, act)
+            hit = self.memo[key] = (qw, quant_error(w, qw))
+        return hit
+
+    def label(self, site: WeightSite, spec: QuantSpec) -> str:
+        """The report's scheme label; an act-weighted `mse` search reads "awq"."""
+        if spec.method == "mse" and self.act_scale(site) is not None:
+            return f"{spec.scheme.label}-awq"
+        return spec.label
+
+    def nbits(self, qw: QuantizedWeight) -> NBitsArrays:
+        """MatMulNBits packing of a quantized weight, per-channel blocks chosen by `tight_channel_blocks`;
+        with it, a single block wider than K also shrinks to the smallest kernel block >= K (same codes and
+        scales, less padding: K = 64 at group 128 stores 64 codes per row, not 128)."""
+        s = qw.scheme
+        if s.block_size == 0 and self.tight_channel_blocks:
+            qw = expand_per_channel(qw, channel_block(qw.k))
+        elif self.tight_channel_blocks and qw.scales.shape[1] == 1:
+            narrow = min(b for b in NBITS_BLOCKS if b >= min(qw.k, s.block_size))
+            if narrow < s.block_size:
+                qw = QuantizedWeight(Scheme(s.bits, narrow, s.symmetric), qw.k, qw.codes[:, :narrow],
+                                     qw.scales, qw.zero_points)
+        return to_matmulnbits(qw)
+
+
+def by_pattern(default: QuantSpec | None, rules: Sequence[tuple[str, QuantSpec | None]] = (),
+               embed: QuantSpec | None = None, embed_pattern: str = "*embed*") -> Chooser:
+    """First rule whose fnmatch pattern matches the module path or initializer name wins; otherwise
+    matmuls get `default`, and Gathers matching `embed_pattern` get `embed` (other Gathers, e.g. a folded
+    RoPE table, stay fp32). E.g. rules=[("lm_head", int8_spec), ("layers.0.*", None)]."""
+    def choose(site: WeightSite) -> QuantSpec | None:
+        for pattern, spec in rules:
+            if site_matches(site, pattern):
+                return spec
+        if site.op == "Gather":
+            return embed if site_matches(site, embed_pattern) else None
+        return default
+    return choose
+
+
+def site_matches(site: WeightSite, pattern: str) -> bool:
+    """fnmatch (case-sensitive) on the module path or the initializer name."""
+    return fnmatchcase(site.module, pattern) or fnmatchcase(site.name, pattern)
+
+
+@dataclass(frozen=True)
+class WeightReport:
+    name: str
+    module: str
+    op: str
+    shape: tuple[int, int]
+    scheme: str                # QuantPlan.label, or "fp32" when kept
+    bytes_before: int
+    bytes_after: int
+    max_abs_err: float
+    rel_rms_err: float
+    shared_with: str = ""      # a table stored once for two uses: the other use (bytes_after is 0 here)

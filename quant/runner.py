@@ -1,0 +1,135 @@
+"""Token sequences through an export's prefill graphs in onnxruntime: logits at every position and,
+optionally, the input of every weight matmul (calibration).
+
+Prefill graphs (S = prefill_chunk) run the sequence chunk by chunk with the runtime's KV-cache rule (the
+last chunk padded, only real rows written), so one call per chunk yields the logits of every position, which
+`Engine` (last position only) does not expose. Graphs are loaded from bytes so that capture outputs can be
+added to a copy; their external data is resolved in the export directory via the session config
+`session.model_external_initializers_file_folder_path`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto
+
+from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.manifest import Manifest
+from edgellm.runtime.session import SessionConfig, session_options
+
+
+def weight_inputs(graph: onnx.GraphProto) -> dict[str, str]:
+    """{weight initializer: the activation it multiplies} for every MatMul/Gemm B that is a 2-D initializer."""
+    inits = {t.name for t in graph.initializer if len(t.dims) == 2}
+    return {n.input[1]: n.input[0] for n in graph.node
+            if n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and n.input[1] in inits}
+
+
+class _Graph:
+    def __init__(self, directory: Path, file: str, capture: bool, config: SessionConfig) -> None:
+        model = onnx.load(directory / file, load_external_data=False)
+        self.outputs = [o.name for o in model.graph.output]
+        self.weights = weight_inputs(model.graph) if capture else {}
+        inputs = {v.name for v in model.graph.input}
+        self.captured = sorted({a for a in self.weights.values() if a not in inputs and a not in self.outputs})
+        for name in self.captured:
+            model.graph.output.append(onnx.helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+        options = session_options(config, prepack=False)
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(directory))
+        try:
+            self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime's own exception types
+            raise EdgeError(f"{directory / file}: onnxruntime cannot load this graph "
+                            f"({' '.join(str(err).split())[:300]})") from None
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(self.outputs + self.captured, feeds)
+        return {**feeds, **dict(zip(self.outputs + self.captured, values, strict=True))}
+
+
+class ExportRunner:
+    """Sessions for the prefill variant of every graph of one export directory."""
+
+    def __init__(self, directory: Path, manifest: Manifest, capture: bool = False,
+                 config: SessionConfig | None = None, sample_every: int = 0, sample_rows: int = 0) -> None:
+        """`capture`: accumulate mean |x| of every weight's input; with `sample_rows`, also keep up to that
+        many input rows per weight, every `sample_every`-th real row (AWQ's scale search)."""
+        self.manifest, self.seq = manifest, manifest.prefill_chunk
+        self.sample_every, self.sample_rows = max(sample_every, 1), sample_rows
+        self.samples: dict[str, list[np.ndarray]] = {}
+        self._seen = 0                              # real rows fed so far (for the sampling stride)
+        config = config or SessionConfig()
+        self.graphs = {(g.role, g.layer): _Graph(Path(directory), g.file, capture, config)
+                       for g in manifest.graphs if g.seq == self.seq}
+        self.cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim)
+        self.abs_sum: dict[str, np.ndarray] = {}   # weight -> sum over real rows of |x| [K] (float64)
+        self.rows: dict[str, int] = {}
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [T, V] of every position of `tokens` (a fresh context; at most max_seq tokens)."""
+        m, cache = self.manifest, self.cache
+        need(0 < len(tokens) <= m.max_seq, f"runner: {len(tokens)} tokens do not fit max_seq {m.max_seq}")
+        cache.reset()
+        rows = []
+        for start in range(0, len(tokens), self.seq):
+            count = min(self.seq, len(tokens) - start)
+            chunk = np.zeros((1, self.seq), np.int64)
+            chunk[0, :count] = tokens[start:start + count]
+            # padded rows get clamped positions, as the runtime's Engine does: their values are never used
+            positions = np.minimum(np.arange(cache.length, cache.length + self.seq), m.max_seq - 1)[None]
+            common = {"positions": positions.astype(np.int64), "past_len": cache.past_len()}
+            if m.granularity == "model":
+                feeds = {"tokens": chunk, **common}
+                for i in range(m.n_layers):
+                    feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
+                out = self._run(("model", None), feeds, count)
+                for i in range(m.n_layers):
+                    cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
+            else:
+                hidden = self._run(("embed", None), {"tokens": chunk}, count)["hidden"]
+                for i in range(m.n_layers):
+                    out = self._run(("layer", i), {"hidden": hidden, **common, f"past_key.{i}": cache.keys[i],
+                                                   f"past_value.{i}": cache.values[i]}, count)
+                    cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
+                    hidden = out["hidden_out"]
+                out = self._run(("head", None), {"hidden": hidden}, count)
+            cache.advance(count)
+            self._seen += count
+            rows.append(out["logits"][0, :count])
+        return np.concatenate(rows)
+
+    def _run(self, key: tuple[str, int | None], feeds: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+        graph = self.graphs[key]
+        out = graph.run(feeds)
+        for weight, act in graph.weights.items():
+            x = out[act]
+            x = x.reshape(-1, x.shape[-1])
+            x = x[:count] if x.shape[0] == self.seq else x          # [S, K]: only the real rows
+            self.abs_sum[weight] = self.abs_sum.get(weight, 0.0) + np.abs(x).sum(axis=0, dtype=np.float64)
+            self.rows[weight] = self.rows.get(weight, 0) + x.shape[0]
+            if self.sample_rows and x.shape[0] == count:
+                keep = x[(self._seen + np.arange(count)) % self.sample_every == 0]
+                got = self.samples.setdefault(weight, [])
+                room = self.sample_rows - sum(len(a) for a in got)
+                if room > 0 and len(keep):
+                    got.append(np.array(keep[:room], np.float32))
+        return out
+
+    def sampled(self) -> dict[str, np.ndarray]:
+        """Kept input rows [R, K] float32 of every weight (see `sample_rows`)."""
+        return {w: np.concatenate(parts) for w, parts in self.samples.items() if parts}
+
+    def act_scales(self) -> dict[str, np.ndarray]:
+        """mean |x| per input channel [K] float32 of every weight seen (a tiny floor keeps dead channels in)."""
+        scales = {}
+        for weight, total in self.abs_sum.items():
+            mean = total / max(self.rows[weight], 1)
+            scales[weight] = np.maximum(mean, 1e-3 * float(mean.mean()) + 1e-12).astype(np.float32)
+        return scales

@@ -1,0 +1,172 @@
+"""The tied embedding: row lookups in the table the lm_head multiplies by, quantized without a second table.
+
+A tied export stores the table once, as the head's MatMul weight E^T [D, V], and the embedding reads
+columns of it: `Gather(E^T, ids [S], axis=1) -> [D, S]` (export/graphs.py `_embed_lookup`), a form the
+generic rewrite leaves alone. Here that Gather becomes a lookup in int8 codes:
+  shared   the lm_head is int8 per channel (the embedding's own scheme): the Gather reads the lm_head's
+           very initializers (same names, same bytes), so the data file holds the table once;
+  separate otherwise (lm_head int4 or fp32): a per-row int8 table of its own, 0.26x the fp32 table
+           beside the lm_head's copy (int4 codes are too coarse for rows that are used as is).
+Both formats dequantize only the S gathered rows:
+  fast      B [V, nb, bs] uint8 (MatMulNBits layout) --Gather(ids)--> [S, nb, bs] --Cast, -zp, *scale
+            [S, nb, 1]--> Reshape [S, nb*bs] --Slice [:D]--> Transpose --> [D, S]
+  portable  X [D, V] int8 (DequantizeLinear layout) --Gather(ids, axis=1)--> [D, S]
+            --DequantizeLinear(Gather(scale [V]), Gather(zp)?, axis=1)--> [D, S]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgellm.runtime.errors import need
+
+from .plan import QuantPlan, WeightReport, WeightSite
+from .schemes import QuantizedWeight, to_dequantize_linear
+
+
+def _tied_gathers(graph: onnx.GraphProto) -> list[tuple[int, str]]:
+    """(node index, table name) of every Gather(axis=1) reading a 2-D float32 initializer."""
+    inits = {t.name: t for t in graph.initializer}
+    found = []
+    for i, node in enumerate(graph.node):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+            continue
+        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        t = inits.get(node.input[0])
+        if axis == 1 and t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
+            found.append((i, node.input[0]))
+    return found
+
+
+class _Inits:
+    """New initializers for one graph; a name already holding the same bytes is reused (the lm_head's
+    tensors in a one-graph export), another name is made unique."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.by_name = {t.name: t for t in graph.initializer}
+        self.taken = set(self.by_name) | {o for n in graph.node for o in n.output} | {v.name for v in graph.input}
+
+    def add(self, base: str, value: np.ndarray) -> str:
+        tensor = numpy_helper.from_array(np.ascontiguousarray(value), base)
+        old = self.by_name.get(base)
+        if old is not None and old.raw_data == tensor.raw_data and list(old.dims) == list(tensor.dims) \
+                and old.data_type == tensor.data_type:
+            return base
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}.{i}", i + 1
+        tensor.name = name
+        self.taken.add(name)
+        self.by_name[name] = tensor
+        self.graph.initializer.append(tensor)
+        return name
+
+
+def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: QuantPlan, inits: _Inits,
+                d: int) -> tuple[list[onnx.NodeProto], int]:
+    arr = plan.nbits(qw)
+    ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
+    nb, bs = arr.b.shape[1], arr.b.shape[2]
+    b, scales = inits.add(f"{base}.q", arr.b), inits.add(f"{base}.scales", arr.scales)
+    stored = arr.b.nbytes + arr.scales.nbytes
+    axes = inits.add(f"{base}.axes_last", np.array([-1], np.int64))
+    t = {k: f"{out}/{k}" for k in ("q", "qf", "zp", "zpf", "zpu", "c", "s", "su", "r3", "r2", "rows")}
+    nodes = [helper.make_node("Gather", [b, ids], [t["q"]], name=f"{p}/q", axis=0),        # [S, nb, bs] uint8
+             helper.make_node("Cast", [t["q"]], [t["qf"]], name=f"{p}/cast", to=TensorProto.FLOAT)]
+    if arr.zero_points is None:
+        zero = inits.add(f"{base}.mid", np.array(qw.scheme.mid, np.float32))
+    else:                                                                                  # [V, nb] uint8
+        zp = inits.add(f"{base}.zp", arr.zero_points)
+        stored += arr.zero_points.nbytes
+        nodes += [helper.make_node("Gather", [zp, ids], [t["zp"]], name=f"{p}/zp", axis=0),
+                  helper.make_node("Cast", [t["zp"]], [t["zpf"]], name=f"{p}/zp_cast", to=TensorProto.FLOAT),
+                  helper.make_node("Unsqueeze", [t["zpf"], axes], [t["zpu"]], name=f"{p}/zp_unsq")]
+        zero = t["zpu"]
+    shape = inits.add(f"{base}.rows_shape", np.array([0, nb * bs], np.int64))
+    nodes += [helper.make_node("Sub", [t["qf"], zero], [t["c"]], name=f"{p}/centre"),
+              helper.make_node("Gather", [scales, ids], [t["s"]], name=f"{p}/scale", axis=0),  # [S, nb]
+              helper.make_node("Unsqueeze", [t["s"], axes], [t["su"]], name=f"{p}/scale_unsq"),
+              helper.make_node("Mul", [t["c"], t["su"]], [t["r3"]], name=f"{p}/dequant"),
+              helper.make_node("Reshape", [t["r3"], shape], [t["r2"]], name=f"{p}/rows")]
+    rows = t["r2"]
+    if nb * bs != d:                                       # K padding of the blocks
+        starts = inits.add(f"{base}.zero1", np.array([0], np.int64))
+        ends = inits.add(f"{base}.dim", np.array([d], np.int64))
+        one = inits.add(f"{base}.one1", np.array([1], np.int64))
+        nodes.append(helper.make_node("Slice", [rows, starts, ends, one], [t["rows"]], name=f"{p}/unpad"))
+        rows = t["rows"]
+    nodes.append(helper.make_node("Transpose", [rows], [out], name=f"{p}/t", perm=[1, 0]))   # [D, S]
+    return nodes, stored
+
+
+def _portable_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str,
+                    inits: _Inits) -> tuple[list[onnx.NodeProto], int]:
+    arr = to_dequantize_linear(qw)                         # per-axis: x [D, V], scale [V], zp [V]?
+    ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
+    x, scale = inits.add(f"{base}.q", arr.x), inits.add(f"{base}.scale", arr.scale)
+    stored = arr.x.nbytes + arr.scale.nbytes
+    nodes = [helper.make_node("Gather", [x, ids], [f"{out}/q"], name=f"{p}/q", axis=1),
+             helper.make_node("Gather", [scale, ids], [f"{out}/scale"], name=f"{p}/scale", axis=0)]
+    dq_in = [f"{out}/q", f"{out}/scale"]
+    if arr.zero_point is not None:
+        zp = inits.add(f"{base}.zp", arr.zero_point)
+        stored += arr.zero_point.nbytes
+        nodes.append(helper.make_node("Gather", [zp, ids], [f"{out}/zp"], name=f"{p}/zp", axis=0))
+        dq_in.append(f"{out}/zp")
+    nodes.append(helper.make_node("DequantizeLinear", dq_in, [out], name=f"{p}/dequant", axis=1))
+    return nodes, stored
+
+
+def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport]:
+    """Rewrite every tied embedding lookup the plan quantizes (see the module docstring); one report each.
+
+    Run after `quantize_model` on the same plan, so a one-graph export finds the lm_head's tensors in place
+    and the shared case hits the plan's memo. The fp32 table stays if anything still reads it.
+    """
+    graph = model.graph
+    inits = _Inits(graph)
+    reports, replace = [], {}
+    for i, name in _tied_gathers(graph):
+        node = graph.node[i]
+        table = numpy_helper.to_array(inits.by_name[name])          # E^T [D, V]
+        w = np.ascontiguousarray(table.T)                             # canonical [V, D] = the lm_head's [N, K]
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        site = WeightSite(name, "Gather", node.name, module, w.shape)
+        spec = plan.choose(site)
+        if spec is None:
+            reports.append(WeightReport(name, module, "Gather", w.shape, "fp32", w.nbytes, w.nbytes, 0.0, 0.0))
+            continue
+        need(spec.scheme.bits == 8 and spec.scheme.block_size == 0,
+             f"embedding {name}: only int8 per-row is supported, got {spec.scheme.label}")
+        head = WeightSite(name, "MatMul", "", module, w.shape)
+        head_spec = plan.choose(head)
+        shared = head_spec is not None and head_spec.scheme == spec.scheme
+        use_site, use_spec = (head, head_spec) if shared and head_spec is not None else (site, spec)
+        qw, err = plan.quantize(use_site, w, use_spec)
+        base = name if shared else f"{name}.rows"
+        if plan.format == "fast":
+            nodes, stored = _fast_nodes(node, qw, base, plan, inits, w.shape[1])
+        else:
+            nodes, stored = _portable_nodes(node, qw, base, inits)
+        replace[i] = nodes
+        reports.append(WeightReport(name, module, "Gather", w.shape, plan.label(use_site, use_spec), w.nbytes,
+                                    0 if shared else stored, err.max_abs_err, err.rel_rms_err,
+                                    shared_with="lm_head" if shared else ""))
+    if replace:
+        nodes = [n for i, node in enumerate(graph.node) for n in replace.get(i, [node])]
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+        if any(n.op_type == "DequantizeLinear" for n in nodes):
+            _require_opset(model, 13)
+    return reports
+
+
+def _require_opset(model: onnx.ModelProto, version: int) -> None:
+    for op in model.opset_import:
+        if op.domain in ("", "ai.onnx"):
+            op.version = max(op.version, version)
+            return
+    model.opset_import.append(helper.make_opsetid("", version))
