@@ -7,6 +7,7 @@ leave a directory that looks complete. Paths read from a manifest are untrusted 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
@@ -92,6 +93,7 @@ def atomic_dir(final: Path, marker: str | None = None) -> Iterator[Path]:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     with _os_errors(final, "create the output directory"):
         final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(final)
         shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crashed run that had our pid
         tmp.mkdir()
     try:
@@ -100,6 +102,28 @@ def atomic_dir(final: Path, marker: str | None = None) -> Iterator[Path]:
             _swap_in(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed into place
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Delete `.NAME.tmp-PID` siblings whose process is gone: a killed (SIGKILL, power loss) run cannot clean
+    up, and each one may hold a model-sized partial output. A live PID's directory is another run's work."""
+    for path in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                _remove(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there: never guess
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM (another user's process) or a platform without this check: assume alive
+        return True
+    return True
 
 
 def _swap_in(tmp: Path, final: Path) -> None:

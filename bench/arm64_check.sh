@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# arm64_check.sh [WORK] - prove `edgellm run` on aarch64 (qemu user-mode; Raspberry Pi 4 CPU by default).
+#
+# On the host: export a tiny seeded model with a tokenizer (fp32, plus int8/int4 via `edgellm quantize`)
+# and record `edgellm run --prompt ... --temperature 0 --json` for each. Then run the same command as
+# aarch64 Python under /work/shared/tools/arm64-sandbox.sh, with ONLY the runtime's dependencies installed
+# (numpy, onnxruntime, tokenizers) and the source tree imported through a shim package (no install), and
+# check that the greedy tokens and text are the host's.
+#
+# Environment: ARM64_SANDBOX (the sandbox script), ARM64_DIR (its folder, default REPO/.arm64),
+# ARM64_CPUS (default "cortex-a72"; e.g. "cortex-a72 cortex-a76"). The first run downloads ~135 MB
+# (Debian arm64 python, qemu, aarch64 wheels) into ARM64_DIR; later runs reuse it.
+# Cost (2-core dev VM): cold sandbox setup ~30 s; then ~15-25 s per export and CPU under emulation.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+WORK="${1:-/tmp/edgellm-arm64-check}"
+SB="${ARM64_SANDBOX:-/work/shared/tools/arm64-sandbox.sh}"
+ARMDIR="${ARM64_DIR:-$REPO/.arm64}"
+CPUS="${ARM64_CPUS:-cortex-a72}"
+PY="${PYTHON:-python3}"
+export ARM64_EXTRA_WHEELS="tokenizers"   # keep the same for setup and run (the sandbox stamps on it)
+
+[ -x "$SB" ] || [ -f "$SB" ] || { echo "arm64_check: sandbox script not found: $SB" >&2; exit 1; }
+start=$(date +%s)
+mkdir -p "$WORK/arm"
+rm -f "$WORK"/arm/*.json
+names=$("$PY" "$REPO/bench/arm64_host.py" prepare "$WORK")
+"$PY" "$REPO/bench/arm64_host.py" shim "$WORK" "$REPO"
+echo "arm64_check: host exports ready ($names) after $(( $(date +%s) - start )) s"
+bash "$SB" setup "$ARMDIR" >&2
+host_attr() { "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import arm64_host as h; v = getattr(h, sys.argv[2]); print(v if isinstance(v, str) else " ".join(v))' "$REPO/bench" "$1"; }
+prompt=$(host_attr PROMPT)
+flags=$(host_attr RUN_FLAGS)
+status=0
+for cpu in $CPUS; do
+  for name in $names; do
+    t0=$(date +%s)
+    # $flags is split on purpose (plain words); the prompt has spaces and stays one argument
+    # from WORK: run in the repo, `python -m` would find the source tree's edgellm/ (no runtime inside) first
+    if ! (cd "$WORK" && ARM64_CPU="$cpu" PYTHONPATH="$WORK/shim" bash "$SB" run "$ARMDIR" -- \
+        python3 -m edgellm run "$WORK/exports/$name" --prompt "$prompt" $flags \
+        > "$WORK/arm/$name.json" 2> "$WORK/arm/$name.err"); then
+      echo "arm64_check: $name on $cpu FAILED:" >&2; tail -5 "$WORK/arm/$name.err" >&2; status=1
+    fi
+    echo "arm64_check: $name on $cpu: $(( $(date +%s) - t0 )) s"
+  done
+  "$PY" "$REPO/bench/arm64_host.py" compare "$WORK" || status=1
+done
+echo "arm64_check: done in $(( $(date +%s) - start )) s (status $status)"
+exit $status

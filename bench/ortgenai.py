@@ -1,0 +1,175 @@
+"""edgellm vs onnxruntime-genai on the same Hugging Face checkpoints, same precision, same workload.
+
+    pip install -e '.[bench]'        # onnxruntime-genai (bench-only extra)
+    python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench]
+
+For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py), the ORT-genai model
+(`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
+past_present_share_buffer set in genai_config.json) and the edgellm export (`edgellm export`, plus
+`edgellm quantize` for int8/int4), then runs the anchors' workload on both — fixed pseudo-random prompt ids
+(seed 1234), greedy, EOS unable to stop a run, one warm-up + --runs timed runs, medians — each system in its
+own process (own peak RSS), and prints the table and the edgellm / ORT-genai ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PRECISIONS = ("fp32", "int8", "int4")
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}; see {log}")
+
+
+def build_genai(hf: Path, out: Path, precision: str, threads: int, max_length: int) -> Path:
+    if not (out / "genai_config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+              "-p", precision, "-e", "cpu"], out.with_suffix(".log"))
+    path = out / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    config["model"]["context_length"] = max(config["model"]["context_length"], max_length)
+    config["search"].update(past_present_share_buffer=True, max_length=max_length)
+    path.write_text(json.dumps(config, indent=2))
+    return out
+
+
+def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int) -> Path:
+    fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
+    if not (fp32 / "manifest.json").is_file():
+        _run(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq", str(max_seq), "--prefill-chunk", "64",
+              "--no-progress"], fp32.with_suffix(".log"))
+    if precision == "fp32":
+        return fp32
+    if not (out / "manifest.json").is_file():
+        bits = {"int8": "8", "int4": "4"}[precision]
+        _run(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, "--no-progress"],
+             out.with_suffix(".log"))
+    return out
+
+
+def genai_child(model_dir: str, contexts: list[int], new_tokens: int, runs: int, max_load: float) -> list[dict]:
+    """Runs inside a child process: the workload through onnxruntime-genai."""
+    import onnxruntime_genai as og
+
+    from edgellm.benchmarks import bench_prompt, timed_runs
+    from edgellm.runtime.stats import peak_rss_mb
+
+    model = og.Model(model_dir)
+    vocab = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["vocab_size"]
+    rows = []
+    for context in contexts:
+        prompt = bench_prompt(context, vocab)
+
+        def once(prompt: list[int] = prompt, context: int = context) -> tuple:
+            params = og.GeneratorParams(model)
+            total = context + new_tokens
+            params.set_search_options(max_length=total, min_length=total, do_sample=False)
+            gen = og.Generator(model, params)
+            start = time.perf_counter()
+            gen.append_tokens(prompt)
+            ids: list[int] = []
+            while len(ids) < new_tokens:
+                gen.generate_next_token()
+                ids.append(int(gen.get_next_tokens()[0]))
+                if len(ids) == 1:
+                    first = time.perf_counter()
+            last = time.perf_counter()
+            return context / (first - start), (new_tokens - 1) / (last - first), ids
+
+        kept, load = timed_runs(once, runs, max_load)
+        prefill, decode, ids = [k[0] for k in kept], [k[1] for k in kept], kept[-1][2]
+        rows.append({"system": "ort-genai", "context": context, "prefill": statistics.median(prefill),
+                     "prefill_range": [min(prefill), max(prefill)], "decode": statistics.median(decode),
+                     "decode_range": [min(decode), max(decode)], "peak_rss_mb": peak_rss_mb(), "first": ids[:8],
+                     "other_load_pct": load})
+    return rows
+
+
+def edgellm_rows(export: Path, contexts: list[int], new_tokens: int, runs: int, threads: int,
+                 max_load: float) -> list[dict]:
+    out = subprocess.run(["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs),
+                          "--new-tokens", str(new_tokens), "--contexts", ",".join(map(str, contexts)),
+                          "--max-other-load", str(max_load)], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for r in json.loads(out)["rows"]:
+        rows.append({"system": "edgellm", "context": r["context"], "prefill": r["prefill_tok_s"]["median"],
+                     "prefill_range": [r["prefill_tok_s"]["low"], r["prefill_tok_s"]["high"]],
+                     "decode": r["decode_tok_s"]["median"],
+                     "decode_range": [r["decode_tok_s"]["low"], r["decode_tok_s"]["high"]],
+                     "overhead_pct": r["overhead_pct"]["median"], "peak_rss_mb": r["peak_rss_mb"],
+                     "first": r["first_tokens"], "other_load_pct": r["foreign_load_pct"]})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="s15m,s110m,q05b")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--root", type=Path, default=Path("/tmp/edgellm-bench"), help="scratch dir (not the repo)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--contexts", default="64")
+    p.add_argument("--max-seq", type=int, default=256, help="edgellm export context / genai max_length")
+    p.add_argument("--max-other-load", type=float, default=3.0,
+                   help="repeat a timed run (up to 5 times) while other processes use more CPU than this %%")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.child:
+        print(json.dumps(genai_child(args.child[0], contexts, args.new_tokens, args.runs, args.max_other_load)))
+        return
+    report = []
+    for name in args.models.split(","):
+        hf = args.root / "hf" / name
+        if not (hf / "tokenizer.json").is_file():
+            _run([sys.executable, str(HERE / "make_models.py"), str(args.root / "hf"), "--only", name],
+                 args.root / f"make_{name}.log")
+        genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
+                            args.max_seq)
+        export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq)
+        child = subprocess.run([sys.executable, __file__, "--child", str(genai), "--contexts", args.contexts,
+                                "--runs", str(args.runs), "--new-tokens", str(args.new_tokens),
+                                "--max-other-load", str(args.max_other_load)],
+                               capture_output=True, text=True, check=True)
+        rows = json.loads(child.stdout.strip().splitlines()[-1])
+        rows += edgellm_rows(export, contexts, args.new_tokens, args.runs, args.threads, args.max_other_load)
+        for row in rows:
+            row["model"], row["precision"] = name, args.precision
+        report += rows
+        if not args.json:
+            _print(name, args.precision, rows)
+    if args.json:
+        print(json.dumps({"schema": "edgellm-bench-ortgenai", "version": 1, "rows": report}))
+
+
+def _print(name: str, precision: str, rows: list[dict]) -> None:
+    print(f"\n{name} {precision}: system, ctx, prefill tok/s, decode tok/s (median (min-max)), peak RSS MB")
+    for r in rows:
+        print(f"  {r['system']:<10} {r['context']:>5}  {r['prefill']:8.1f} ({r['prefill_range'][0]:.0f}-"
+              f"{r['prefill_range'][1]:.0f})  {r['decode']:8.1f} ({r['decode_range'][0]:.1f}-"
+              f"{r['decode_range'][1]:.1f})  {r['peak_rss_mb']:7.0f}  first ids {r['first'][:4]}  other load "
+              f"{r['other_load_pct'] if r['other_load_pct'] is not None else float('nan'):.1f}%")
+    for ctx in sorted({r["context"] for r in rows}):
+        e = next(r for r in rows if r["system"] == "edgellm" and r["context"] == ctx)
+        g = next(r for r in rows if r["system"] == "ort-genai" and r["context"] == ctx)
+        print(f"  ctx {ctx}: edgellm / ORT-genai  prefill {e['prefill'] / g['prefill']:.2f}x  decode "
+              f"{e['decode'] / g['decode']:.2f}x  RSS {e['peak_rss_mb'] / g['peak_rss_mb']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

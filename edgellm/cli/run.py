@@ -1,0 +1,179 @@
+"""`edgellm run DIR`: generate text from an export directory (numpy + onnxruntime; no torch needed).
+
+Text streams to stdout as it is generated; one stats line (prompt tokens, time to first token, prefill
+and decode tok/s, peak RSS) follows on stderr. `--json` prints one JSON object instead:
+{"schema": "edgellm-run", "version": 1, "text", "token_ids", "finish_reason", "stats": {...}}.
+Sampling flags left out take the export's defaults (manifest `sampler`).
+`--interactive` reads prompts from stdin, one per line, until EOF; the context carries over between turns
+(each later turn is fed as "\\n" + the line) until it is full, then it is reset with a notice on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+JSON_SCHEMA = "edgellm-run"
+JSON_VERSION = 1
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text from an export directory (board side: no torch)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory", type=Path, help="export directory (holds manifest.json)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (BOS is added in front)")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, used as given (no tokenizer "
+                                             "needed)")
+    p.add_argument("--max-new-tokens", default="256", help="at most this many new tokens (default 256)")
+    p.add_argument("--temperature", help="0 = greedy (default: the export's sampler)")
+    p.add_argument("--top-k", help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--min-p", help="drop tokens below min_p x the top probability (0 = off)")
+    p.add_argument("--repetition-penalty", help="> 1 discourages repeats (1 = off)")
+    p.add_argument("--seed", help="seed of the random draws (default: fresh entropy)")
+    p.add_argument("--threads", help="onnxruntime intra-op threads (default: onnxruntime's choice)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when the text contains STR (not printed); repeatable")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print text as it is generated (default) or all at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-run v1)")
+    p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line, until EOF")
+    p.add_argument("--truncate", action="store_true",
+                   help="a prompt longer than the context keeps its last tokens instead of failing")
+    add_pool_flag(p, "run")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the sha256 check of the export's files (sizes are still checked)")
+    p.set_defaults(func=run)
+
+
+def add_pool_flag(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument("--thread-pool", choices=("auto", "shared", "per-session"), default="auto",
+                   help="shared: one onnxruntime thread pool for all graphs (much faster decoding, but "
+                        "process-wide: every other onnxruntime session in the process must then use it); "
+                        f"auto (default): shared when this process was started as `edgellm {verb}`")
+
+
+def shared_pool(choice: str, verb: str) -> bool:
+    """`--thread-pool`: auto means this process is ours (`edgellm VERB ...`), not a caller's main([...])."""
+    if choice == "auto":
+        return len(sys.argv) > 1 and sys.argv[1] == verb
+    return choice == "shared"
+
+
+def _prompt_ids(text: str) -> list[int]:
+    from edgellm.runtime.errors import EdgeError
+
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise EdgeError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise EdgeError("--prompt-ids: expected at least one token id")
+    return ids
+
+
+# flag -> number type; parsed here, not by argparse, so a bad value is one line (exit 2) like every error
+NUMBERS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
+           "repetition_penalty": float, "seed": int, "threads": int}
+
+
+def _numbers(args: argparse.Namespace) -> None:
+    from edgellm.runtime.errors import EdgeError
+
+    for key, kind in NUMBERS.items():
+        text = getattr(args, key)
+        if text is None:
+            continue
+        try:
+            setattr(args, key, kind(text))
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise EdgeError(f"--{key.replace('_', '-')}: expected {what}, got {text!r}") from None
+
+
+def _params(args: argparse.Namespace):
+    """(given sampling flags, StopParams), validated before anything is loaded."""
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+
+    _numbers(args)
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    SamplingParams(**given)  # EdgeError naming the first bad flag
+    return given, StopParams(args.max_new_tokens, args.seed, tuple(args.stop))
+
+
+def run(args: argparse.Namespace) -> int:
+    from edgellm.runtime.errors import need
+    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.sampling import SamplingParams
+    from edgellm.runtime.session import SessionConfig
+
+    given, stop = _params(args)
+    config = SessionConfig(threads=args.threads, shared_pool=shared_pool(args.thread_pool, "run"))
+    config.validate()
+    if args.interactive:
+        need(args.prompt is None and args.prompt_ids is None,
+             "--interactive: reads prompts from stdin; drop --prompt/--prompt-ids")
+    else:
+        need(args.prompt is not None or args.prompt_ids is not None,
+             "expected --prompt TEXT, --prompt-ids IDS or --interactive")
+        need(args.prompt is None or args.prompt != "", "--prompt: expected a non-empty prompt")
+    ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    gen = Generator.open(args.directory, config=config, verify=args.verify)
+    sampling = SamplingParams(**{**gen.default_sampling.to_dict(), **given})
+    if args.interactive:
+        return _interactive(gen, sampling, stop, args)
+    _turn(gen, ids if ids is not None else args.prompt, sampling, stop, args, keep=False)
+    return 0
+
+
+def _turn(gen, prompt, sampling, stop, args: argparse.Namespace, keep: bool) -> None:
+    """One generation: stream (or collect) its output, then the stats line or the JSON object."""
+    from edgellm.runtime.generator import Result
+    from edgellm.runtime.stats import format_stats
+
+    stream = args.stream and not args.json
+    no_text = gen.tokenizer is None  # ids only: show the new ids instead of text
+    result = None
+    for item in gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=keep):
+        if isinstance(item, Result):
+            result = item
+        elif stream:
+            piece = (f"{item.token_id} " if item.token_id is not None else "") if no_text else item.text
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    assert result is not None
+    if args.json:
+        print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, **result.to_dict()}))
+        return
+    if not stream:
+        sys.stdout.write(" ".join(map(str, result.token_ids)) if no_text else result.text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"[{result.finish_reason}] " + format_stats(result.timings, result.peak_rss_mb), file=sys.stderr)
+
+
+def _interactive(gen, sampling, stop, args: argparse.Namespace) -> int:
+    from edgellm.runtime.errors import EdgeError
+
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        try:
+            fresh = gen.context_tokens == 0
+            if gen.tokenizer is None:
+                prompt: str | list[int] = _prompt_ids(line)
+            else:
+                prompt = line if fresh else "\n" + line
+            if not fresh and not gen.fits(gen.encode(prompt, fresh=False)):
+                print("[context full: starting a new context]", file=sys.stderr)
+                gen.reset()
+                prompt = line if gen.tokenizer is not None else prompt
+            _turn(gen, prompt, sampling, stop, args, keep=True)
+        except EdgeError as err:  # a bad line (too long, bad ids) must not end the session
+            print(f"edgellm run: error: {err}", file=sys.stderr)
+    return 0

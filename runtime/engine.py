@@ -1,0 +1,172 @@
+"""The forward pass through an export's graphs: tokens in, the last token's logits out, KV rows written.
+
+Two layouts (manifest `granularity`):
+- "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1.
+- "model": one session per S.
+Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
+once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
+step only writes the token ids, positions and past_len in place, runs the graphs, and copies each layer's
+new K/V rows into the cache with `KVCache.write` (the one cache-update rule).
+
+Prefill runs the prompt in chunks of S = prefill_chunk; the last chunk is padded with token 0 and only its
+real rows are written to the cache (padding comes after the real tokens, so the causal mask keeps it out
+of every real row). A 1-token remainder uses the S = 1 graphs instead. With layer granularity the head runs
+once per prompt, on the last real row only, through its S = 1 graph: the prefill head's [S, V] logits
+would be thrown away but for one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .errors import EdgeError
+from .fileio import safe_join
+from .kvcache import KVCache
+from .manifest import Manifest
+from .placement import plan
+from .session import BoundGraph, RunClock, SessionConfig, SharedWeights, open_session, session_options
+
+
+class _Variant:
+    """Buffers and bound graphs for one sequence length S."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.tokens = np.zeros((1, seq), np.int64)
+        self.positions = np.zeros((1, seq), np.int64)
+        # present rows [1, n_kv, S, hd], one pair per layer, copied into the cache after the whole step:
+        # the copies then run back to back with warm caches (one right after each layer's run cost ~20 us
+        # each, against ~2 us in a row, on the dev VM)
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.graphs: list[BoundGraph] = []
+        self.logits: np.ndarray | None = None      # [1, S, V]; layer granularity: S = 1 only
+        self.hidden_out: np.ndarray | None = None  # the last layer's output (layer granularity)
+        self.body: list[BoundGraph] = []  # what a chunk runs: embed + layers (the head runs once, last), or model
+        self.release: list[tuple[str, ...]] = []  # per body graph: data files to release after its run
+
+    def add_present(self, n: int, manifest: Manifest) -> None:
+        shape = (1, manifest.n_kv_heads, self.seq, manifest.head_dim)
+        for _ in range(n):
+            self.keys.append(np.zeros(shape, np.float32))
+            self.values.append(np.zeros(shape, np.float32))
+
+
+class Engine:
+    """Runs tokens through the graphs of one export directory, writing the KV cache."""
+
+    def __init__(self, directory: Path, manifest: Manifest, cache: KVCache, config: SessionConfig,
+                 clock: RunClock) -> None:
+        self.directory, self.manifest, self.cache, self.clock = Path(directory), manifest, cache, clock
+        self.config = config
+        self.layered = manifest.granularity == "layer"
+        self.n_layers = manifest.n_layers  # a property that re-reads the config: not for the hot path
+        self.past_len = np.zeros(1, np.int64)
+        self.weights = SharedWeights(self.directory)
+        self.placement = plan(self.directory, manifest, config.prepack_prefill)
+        self.chunk = manifest.prefill_chunk
+        # decode graphs first: if the prefill graphs fail to load, nothing of them stays half-built
+        self.decode = self._build(1)
+        self.prefill = self._build(self.chunk) if self.chunk > 1 else self.decode
+
+    # ----------------------------------------------------------------------------------------- building
+
+    def _session(self, role: str, seq: int, layer: int | None = None):
+        """A session placed as `placement.plan` says: pre-packed from its own load, or reading the maps."""
+        spec = self.manifest.graph(role, seq, layer)
+        path = safe_join(self.directory, spec.file)
+        where = self.placement[spec.name]
+        options = session_options(self.config, where.prepack)
+        if not where.prepack:
+            self.weights.add_to(options, path, where.info)
+        return open_session(path, options), spec.name
+
+    def _build(self, seq: int) -> _Variant:
+        m = self.manifest
+        v = _Variant(seq)
+        common = {"positions": v.positions, "past_len": self.past_len}
+        if not self.layered:
+            v.add_present(m.n_layers, m)
+            v.logits = np.zeros((1, seq, m.vocab_size), np.float32)
+            inputs = {"tokens": v.tokens, **common}
+            outputs = {"logits": v.logits}
+            for i in range(m.n_layers):
+                inputs[f"past_key.{i}"], inputs[f"past_value.{i}"] = self.cache.keys[i], self.cache.values[i]
+                outputs[f"present_key.{i}"], outputs[f"present_value.{i}"] = v.keys[i], v.values[i]
+            session, name = self._session("model", seq)
+            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
+            v.body, v.release = list(v.graphs), [self.placement[name].release]
+            return v
+        v.add_present(m.n_layers, m)
+        # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
+        hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
+        session, name = self._session("embed", seq)
+        v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, name))
+        for i in range(m.n_layers):
+            inputs = {"hidden": hidden[i % 2], **common,
+                      f"past_key.{i}": self.cache.keys[i], f"past_value.{i}": self.cache.values[i]}
+            outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": v.keys[i],
+                       f"present_value.{i}": v.values[i]}
+            session, name = self._session("layer", seq, i)
+            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
+        v.hidden_out = hidden[m.n_layers % 2]
+        v.body = list(v.graphs)
+        v.release = [self.placement[g.where].release for g in v.body]
+        if seq == 1:  # the head runs only at S = 1 (see the module docstring)
+            v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
+            session, name = self._session("head", 1)
+            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock, name))
+        return v
+
+    # ------------------------------------------------------------------------------------------ running
+
+    def forward(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Feed `tokens` (all must fit in the cache); return the last one's logits [V] (a view of a buffer
+        the next call overwrites)."""
+        n = len(tokens)
+        if not 0 < n <= self.cache.free:  # not need(): its message would be formatted on every step
+            raise EdgeError(f"forward: {n} tokens do not fit the {self.cache.free} free cache rows")
+        if n == 1:
+            self._run_chunk(self.decode, tokens, 1)
+            return self._logits(self.decode, 1)
+        start = 0
+        while start < n:
+            count = min(self.chunk, n - start)
+            variant = self.decode if count == 1 else self.prefill
+            self._run_chunk(variant, tokens[start:start + count], count)
+            start += count
+        return self._logits(variant, count)
+
+    def _run_chunk(self, v: _Variant, tokens: Sequence[int] | np.ndarray, count: int) -> None:
+        cache = self.cache
+        length = cache.length
+        v.tokens[0, :count] = tokens
+        if count < v.seq:
+            v.tokens[0, count:] = 0
+        if v.seq == 1:
+            v.positions[0, 0] = length
+        else:  # padded rows get valid positions too (clamped): their values are never used
+            np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
+        self.past_len[0] = length
+        if any(v.release):
+            for graph, release in zip(v.body, v.release, strict=True):
+                graph.run()
+                if release:  # a prefill graph's unpacked weights: out of RSS until its next run
+                    self.weights.release(release)
+        else:
+            for graph in v.body:
+                graph.run()
+        for i in range(self.n_layers):
+            cache.write(i, v.keys[i], v.values[i], count)
+        cache.advance(count)
+
+    def _logits(self, v: _Variant, count: int) -> np.ndarray:
+        if not self.layered:
+            return v.logits[0, count - 1]
+        if v.seq > 1:  # copy the last real row into the S = 1 head's input, then run that head
+            self.decode.hidden_out[0, 0] = v.hidden_out[0, count - 1]
+        self.decode.graphs[-1].run()
+        return self.decode.logits[0, 0]

@@ -1,0 +1,271 @@
+"""`Generator`: text generation from an export directory with numpy + onnxruntime only.
+
+    gen = Generator.open("out/model", threads=2)
+    for event in gen.generate("Once upon a time", SamplingParams(temperature=0), StopParams(64, seed=0)):
+        if isinstance(event, TokenEvent):
+            print(event.text, end="", flush=True)
+        else:                                # the last item is the Result
+            print(event.finish_reason, event.timings.decode_tok_s)
+
+Speed: in a process of its own, open with `config=SessionConfig(threads=..., shared_pool=True)` — one
+onnxruntime thread pool for all graphs, what `edgellm run` uses (stories15M decode ~1.6x faster). It is off
+by default because onnxruntime then requires every other session in the process to use that pool too.
+
+Prompts: text is tokenized and BOS (the manifest's `bos_id`) is put in front when the context starts
+empty; a list of token ids is used exactly as given (no BOS added) and needs no tokenizer. A prompt longer
+than the context is an error unless `truncate=True`, which keeps the last
+`max_seq - min(max_new_tokens, max_seq // 2)` tokens (room for the answer, but never less than half the
+context) and, if the prompt began with BOS, keeps that BOS in front.
+
+Generation stops on EOS (never part of `token_ids` or the text; `ignore_eos=True` turns this off for
+benchmarks), on a stop string (the text ends before it; its tokens are in `token_ids`), after
+`max_new_tokens`, or when the static context is full ("length": the last token picked is returned but
+there is no cache row left to feed it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from .engine import Engine
+from .errors import EdgeError, need
+from .fileio import safe_join
+from .kvcache import KVCache
+from .manifest import Manifest, read_manifest
+from .sampling import SamplingParams, StopParams, sample
+from .session import RunClock, SessionConfig
+from .stats import Timings, make_timings, peak_rss_mb
+from .stopping import StopMatcher
+from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+
+FINISH_REASONS = ("eos", "stop", "length", "max_new_tokens")
+
+
+class TokenEvent:
+    """One new token and the text it completes ("" while a character or a possible stop string is still
+    partial). `token_id` is None for the text flushed at the very end. (A slotted class, not a frozen
+    dataclass: one is made per token, and the frozen __init__ costs microseconds.)"""
+
+    __slots__ = ("token_id", "text")
+
+    def __init__(self, token_id: int | None, text: str) -> None:
+        self.token_id, self.text = token_id, text
+
+    def __repr__(self) -> str:
+        return f"TokenEvent(token_id={self.token_id!r}, text={self.text!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenEvent) and (self.token_id, self.text) == (other.token_id, other.text)
+
+
+@dataclass(frozen=True)
+class Result:
+    token_ids: list[int]          # the new tokens (no EOS)
+    text: str                     # the streamed text, concatenated ("" without a tokenizer)
+    finish_reason: str            # one of FINISH_REASONS
+    prompt_ids: list[int]         # what was fed this call (after BOS / truncation / a carried-over token)
+    timings: Timings
+    peak_rss_mb: float
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
+                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1)}}
+
+
+def _greedy(logits: np.ndarray) -> int:
+    """`sample` for temperature 0 without a penalty, in one pass instead of two (max, then argmax): argmax
+    lands on the first NaN or +inf if there is one, so checking the picked value alone rejects the same
+    logits `sample` rejects."""
+    token = int(np.argmax(logits))
+    if not math.isfinite(logits[token]):  # not need(): its message would be formatted every step
+        raise EdgeError(f"sample: logits must be finite with at least one > -inf, got {logits[token]} at "
+                        f"token {token}")
+    return token
+
+
+class Generator:
+    """An opened export: its sessions, its static KV cache and (optionally) its tokenizer."""
+
+    def __init__(self, directory: Path, manifest: Manifest, tokenizer: Tokenizer | None,
+                 config: SessionConfig) -> None:
+        self.directory, self.manifest, self.tokenizer = Path(directory), manifest, tokenizer
+        m = manifest
+        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+        self.clock = RunClock()
+        self.engine = Engine(self.directory, m, self.cache, config, self.clock)
+        self.bos_id, self.eos_id = m.bos_id, m.eos_id
+        self.default_sampling = SamplingParams.from_dict(m.sampler, f"{self.directory}/manifest.json: sampler")
+        self._history: list[int] = []  # every id in the cache, for the repetition penalty
+        self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
+
+    @classmethod
+    def open(cls, directory: str | Path, threads: int | None = None, *, config: SessionConfig | None = None,
+             verify: bool = True) -> Generator:
+        """Read and check the manifest (sha256 of every file unless `verify=False`), load the tokenizer if
+        the export has one, create the sessions and the cache."""
+        directory = Path(directory)
+        config = config if config is not None else SessionConfig()
+        if threads is not None:
+            config = dataclasses.replace(config, threads=threads)
+        config.validate()
+        manifest = read_manifest(directory, verify=verify)
+        tokenizer = None
+        if manifest.tokenizer is not None:
+            path = safe_join(directory, manifest.tokenizer["file"])
+            ids = {} if path.suffix == ".bin" else {"bos_id": manifest.bos_id, "eos_id": manifest.eos_id}
+            tokenizer = load_tokenizer(path, manifest.vocab_size, **ids)
+        return cls(directory, manifest, tokenizer, config)
+
+    # ------------------------------------------------------------------------------------------ prompts
+
+    def encode(self, prompt: str | Sequence[int], fresh: bool = True) -> list[int]:
+        """Token ids for a prompt: text is tokenized (BOS in front when `fresh`), ids are checked."""
+        if isinstance(prompt, str):
+            need(prompt != "", "--prompt: expected a non-empty prompt")
+            need(self.tokenizer is not None,
+                 f"--prompt: {self.directory} has no tokenizer; pass token ids (--prompt-ids)")
+            ids = self.tokenizer.encode(prompt)
+            bos = [self.bos_id] if fresh and self.bos_id is not None else []
+            ids = bos + ids
+            need(len(ids) > 0, "--prompt: the prompt encodes to no tokens")
+            return ids
+        ids = [int(i) for i in prompt]
+        need(len(ids) > 0, "--prompt-ids: expected at least one token id")
+        v = self.manifest.vocab_size
+        bad = [i for i in ids if not 0 <= i < v]
+        need(not bad, f"--prompt-ids: token ids must be in [0, {v}), got {bad[:5]}")
+        return ids
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in the current context: cached rows plus the picked token not yet fed."""
+        return self.cache.length + len(self._carry)
+
+    def fits(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether these ids (plus the carried-over token) fit in the context kept by `keep_context`."""
+        return len(self._carry) + len(prompt_ids) <= self.cache.free
+
+    def reset(self) -> None:
+        """Forget the context (the buffers stay allocated)."""
+        self.cache.reset()
+        self._history.clear()
+        self._carry.clear()
+
+    def _truncate(self, ids: list[int], truncate: bool, max_new: int) -> list[int]:
+        limit = self.cache.max_seq
+        if len(ids) <= limit:
+            return ids
+        need(truncate, f"--prompt: {len(ids)} tokens do not fit the context of {limit} (max_seq of the "
+                       "export); shorten it or pass --truncate to keep its last tokens")
+        keep = limit - min(max_new, limit // 2)
+        if self.bos_id is not None and ids[0] == self.bos_id:
+            return [ids[0]] + ids[len(ids) - keep + 1:]
+        return ids[len(ids) - keep:]
+
+    # --------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                 stop: StopParams | None = None, *, truncate: bool = False, ignore_eos: bool = False,
+                 keep_context: bool = False, text: bool = True) -> Iterator[TokenEvent | Result]:
+        """Yield a TokenEvent per new token as it is picked, then the Result.
+
+        `keep_context=True` continues the current context (interactive use); if the prompt does not fit in
+        what is left, the context is reset first. `text=False` skips detokenizing (ids only, as benchmarks
+        time it; no stop strings then). Arguments are checked here, before the first token.
+        """
+        start = perf_counter()
+        sampling = sampling if sampling is not None else self.default_sampling
+        stop = stop if stop is not None else StopParams()
+        sampling.validate()
+        stop.validate()
+        need(not stop.stop or self.tokenizer is not None,
+             f"--stop: {self.directory} has no tokenizer, so there is no text to match stop strings in")
+        need(not stop.stop or text, "stop strings need the text: generate(..., text=True)")
+        if keep_context and self.context_tokens > 0:
+            ids = self.encode(prompt, fresh=False)
+            if not self.fits(ids):
+                self.reset()
+                ids = self.encode(prompt, fresh=True)
+        else:
+            self.reset()
+            ids = self.encode(prompt, fresh=True)
+        feed = self._truncate(self._carry + ids, truncate, stop.max_new_tokens)
+        self._carry = []
+        return self._run(feed, sampling, stop, ignore_eos, start, text)
+
+    def _run(self, feed: list[int], sampling: SamplingParams, stop: StopParams, ignore_eos: bool,
+             start: float, with_text: bool) -> Iterator[TokenEvent | Result]:
+        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None and with_text else None
+        # a model may have more rows than its tokenizer has tokens (padded vocabularies): those ids have no text
+        known = self.tokenizer.vocab_size if self.tokenizer is not None else 0
+        matcher = StopMatcher(stop.stop)
+        stops = bool(matcher.stops)
+        rng = stop.rng()
+        penalise = sampling.repetition_penalty != 1.0
+        plain_greedy = sampling.temperature == 0 and not penalise
+        eos = None if ignore_eos else self.eos_id
+        new: list[int] = []
+        text: list[str] = []
+        reason = "max_new_tokens"
+        first = last = start
+        run_at_first = 0.0
+        if stop.max_new_tokens == 0:
+            self._carry = feed  # nothing generated: the prompt waits for the next call
+        else:
+            logits = self.engine.forward(feed)
+            self._history.extend(feed)
+            while True:
+                token = _greedy(logits) if plain_greedy else sample(
+                    logits, sampling, rng, np.asarray(self._history) if penalise else ())
+                last = perf_counter()
+                if not new:
+                    first, run_at_first = last, self.clock.seconds
+                if token == eos:
+                    reason = "eos"
+                    break
+                new.append(token)
+                delta = decoder.push(token) if decoder is not None and token < known else ""
+                if stops:
+                    delta = matcher.feed(delta)
+                if matcher.stopped:
+                    reason = "stop"
+                elif len(new) >= stop.max_new_tokens:
+                    reason = "max_new_tokens"
+                elif self.cache.free == 0:
+                    reason = "length"
+                else:
+                    reason = ""
+                text.append(delta)
+                self._carry = [token]  # picked, not fed yet: even if the caller stops iterating here
+                yield TokenEvent(token, delta)
+                if reason:
+                    break
+                logits = self.engine.forward((token,))
+                self._carry = []
+                self._history.append(token)
+        tail = matcher.feed(decoder.flush()) + matcher.flush() if decoder is not None else ""
+        if tail:
+            text.append(tail)
+            yield TokenEvent(None, tail)
+        picked = len(new) + (reason == "eos")
+        timings = make_timings(len(feed), len(new), max(picked - 1, 0), first - start, last - first,
+                               self.clock.seconds - run_at_first)
+        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb())
+
+    def complete(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                 stop: StopParams | None = None, *, truncate: bool = False, ignore_eos: bool = False,
+                 keep_context: bool = False, text: bool = True) -> Result:
+        """`generate` run to the end; returns only the Result."""
+        result = None
+        for item in self.generate(prompt, sampling, stop, truncate=truncate, ignore_eos=ignore_eos,
+                                  keep_context=keep_context, text=text):
+            result = item
+        assert isinstance(result, Result)
+        return result

@@ -1,0 +1,74 @@
+"""Where each graph's weights live: pre-packed by onnxruntime, or read in place from one shared map.
+
+The prefill (S = prefill_chunk) and decode (S = 1) variants of a graph use the same weights, but
+onnxruntime cannot share a pre-packed copy between two sessions from Python. So the weights are held once:
+
+- layer granularity: a decode graph is pre-packed (onnxruntime loads its data file itself and drops its
+  map once packed: one private copy), unless one of its data files is also read by a graph of another unit
+  (a tied embedding table: the embed graph gathers from it, so the head reads it in place too). A prefill
+  graph reads its weights in place from the shared map, unpacked, and its pages are released right after
+  each of its runs (`SharedWeights.release`: madvise DONTNEED, the file stays in the page cache), so RSS holds
+  one layer's unpacked weights at a time on top of the packed ones.
+- model granularity: one graph holds every weight, so no page can be released between layers: fp32 graphs
+  read everything in place, unpacked (one copy); quantized graphs pre-pack both variants (their kernels need
+  the packed layout), i.e. two copies of the (small) quantized weights.
+
+`SessionConfig.prepack_prefill` pre-packs the prefill graphs too: faster prefill, a second copy in RAM.
+
+Measured on the 2-core dev VM (stories110M fp32, shared thread pool, quiet machine): decode 45.5 tok/s
+unpacked vs 50.2 pre-packed; a 1536x4096 MatMul at S = 64 runs ~2x faster pre-packed; MatMulNBits (int4)
+decode 12x slower and int8 80x slower unpacked, so quantized decode graphs are always pre-packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fileio import safe_join
+from .manifest import GraphSpec, Manifest
+from .onnxmeta import GraphInfo, read_graph_info
+
+# ops whose kernels pre-pack their weights into a layout they need (DequantizeLinear + MatMul is fused into
+# MatMulNBits when the session is created)
+QUANTIZED_OPS = frozenset({"MatMulNBits", "DequantizeLinear", "MatMulInteger", "QLinearMatMul",
+                           "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "GatherBlockQuantized"})
+
+
+@dataclass(frozen=True)
+class Placement:
+    info: GraphInfo
+    prepack: bool                # onnxruntime pre-packs (and loads the data itself)
+    release: tuple[str, ...]     # data files (relative paths) to release from RSS after each run
+
+
+def _stem(spec: GraphSpec) -> str:
+    return spec.name.rsplit(".", 1)[0]
+
+
+def plan(directory: Path, manifest: Manifest, prepack_prefill: bool) -> dict[str, Placement]:
+    """Graph name -> Placement, for every graph of the export."""
+    infos = {g.name: read_graph_info(safe_join(directory, g.file)) for g in manifest.graphs}
+    files = {g.name: {t.location for t in infos[g.name].external} for g in manifest.graphs}
+    readers: dict[str, set[str]] = {}  # data file -> stems whose graphs read it
+    for g in manifest.graphs:
+        for rel in files[g.name]:
+            readers.setdefault(rel, set()).add(_stem(g))
+    layered = manifest.granularity == "layer"
+    prepack: dict[str, bool] = {}
+    for g in manifest.graphs:
+        quantized = bool(infos[g.name].op_types & QUANTIZED_OPS)
+        if g.seq > 1:
+            prepack[g.name] = prepack_prefill or (quantized and not layered)
+        elif layered:
+            shared = any(len(readers[rel]) > 1 for rel in files[g.name])
+            prepack[g.name] = quantized or not shared
+        else:
+            prepack[g.name] = quantized
+    # files some unpacked decode graph keeps reading in place must stay resident
+    kept = {rel for g in manifest.graphs if g.seq == 1 and not prepack[g.name] for rel in files[g.name]}
+    out = {}
+    for g in manifest.graphs:
+        release = () if prepack[g.name] or g.seq == 1 or not layered else tuple(sorted(files[g.name] - kept))
+        out[g.name] = Placement(infos[g.name], prepack[g.name], release)
+    return out

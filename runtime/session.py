@@ -1,0 +1,196 @@
+"""onnxruntime sessions for an export directory: options for a small-RAM board, one copy of the weights,
+and graphs whose inputs and outputs are bound once to caller-owned numpy buffers.
+
+Choices (measured on the 2-core dev VM with onnxruntime 1.31):
+- Weights: onnxruntime maps page-aligned external data lazily, but each session maps the file itself (RSS
+  counts every mapping) and MatMul pre-packing makes a private copy per session — a prefill and a decode
+  session held a 113 MB layer twice (301 MB RSS after both ran). `SharedWeights` maps each data file once and
+  hands its initializers to sessions as views (`SessionOptions.add_initializer` uses the memory in place:
+  193 MB for that layer; `add_external_initializers` and the in-memory-file option copy it). Which graphs
+  read the maps and which pre-pack their own copy is `placement.plan`'s decision.
+- Threads: by default every session owns an intra-op pool. A pool that spins after its Run competes for the
+  cores with the next graph's pool (layer granularity runs N + 2 graphs per token): stories110M decode fell
+  from 40 to 5 tok/s with spinning on, so spinning is off. `shared_pool` (threadpool.py) is the fast option.
+- Arena: onnxruntime's CPU arena keeps each session's largest intermediates (the prefill chunk's) for good:
+  stories110M peaked at 843 MB with it, 598 MB without, so it is off.
+- IOBinding: binding inputs/outputs once and calling `run_with_iobinding` costs ~7 us per call against
+  ~19 us for `run(dict)`; onnxruntime writes outputs straight into the bound buffers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import EdgeError, need
+from .fileio import safe_join
+from .onnxmeta import DTYPES, GraphInfo
+from .threadpool import ensure_shared_pool, needs_global_pool
+
+MAX_THREADS = 256
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How sessions are built. The defaults are the low-memory choice described above."""
+
+    threads: int | None = None       # intra-op threads per session; None => onnxruntime's default
+    shared_pool: bool = False        # one process-wide thread pool for all sessions (see threadpool.py)
+    prepack_prefill: bool = False    # pre-pack the prefill graphs' weights: faster prefill, +1 copy in RAM
+    spinning: bool = False           # let idle pool threads spin (faster only when nothing else runs)
+    arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
+    optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
+
+    def validate(self) -> None:
+        # each session gets its own pool of `threads`: an absurd count would start that many OS threads N + 2
+        # times over (a fuzzed --threads 100000 loaded the machine for minutes)
+        need(self.threads is None or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
+             f"--threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
+        need(self.optimization in _LEVELS,
+             f"graph optimisation: expected one of {', '.join(_LEVELS)}, got {self.optimization!r}")
+
+
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # None: no madvise here (Windows); pages then stay mapped
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def session_options(config: SessionConfig, prepack: bool) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    if config.shared_pool and ensure_shared_pool(config.threads):
+        so.use_per_session_threads = False  # no thread counts then: onnxruntime warns they are ignored
+    else:
+        if config.threads is not None:
+            so.intra_op_num_threads = config.threads
+        so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = _LEVELS[config.optimization]
+    so.enable_cpu_mem_arena = config.arena
+    so.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
+    so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
+    return so
+
+
+class SharedWeights:
+    """One read-only memory map per external-data file, shared by every session that points into it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._maps: dict[str, mmap.mmap] = {}
+        self._values: dict[tuple[str, int, int, int, tuple[int, ...]], ort.OrtValue] = {}
+
+    def _map(self, rel: str) -> mmap.mmap:
+        if rel not in self._maps:
+            path = safe_join(self.directory, rel)
+            try:
+                with open(path, "rb") as f:
+                    self._maps[rel] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
+                raise EdgeError(f"{path}: cannot map the weights ({err})") from None
+        return self._maps[rel]
+
+    def add_to(self, options: ort.SessionOptions, graph_path: Path, info: GraphInfo) -> None:
+        """Register every external initializer of `graph_path` with `options` as a view of the shared map."""
+        base = Path(graph_path).parent
+        for t in info.external:
+            dtype = DTYPES.get(t.data_type)
+            if dtype is None:
+                continue  # a type numpy lacks: onnxruntime loads this one itself
+            rel = os.path.relpath(base / t.location, self.directory).replace(os.sep, "/")
+            count = int(np.prod(t.shape, dtype=np.int64))
+            length = count * dtype.itemsize if t.length < 0 else t.length
+            need(length == count * dtype.itemsize,
+                 f"{graph_path}: initializer {t.name!r} has {length} bytes, expected {count * dtype.itemsize}")
+            key = (rel, t.offset, length, t.data_type, t.shape)
+            if key not in self._values:
+                data = self._map(rel)
+                need(t.offset + length <= len(data),
+                     f"{graph_path}: initializer {t.name!r} ends past the end of {rel}")
+                array = np.frombuffer(data, dtype, count, t.offset).reshape(t.shape)
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(array)
+            options.add_initializer(t.name, self._values[key])
+
+    def release(self, rels: tuple[str, ...]) -> None:
+        """Drop these files' pages from this process's RSS (they stay in the page cache; the next read
+        maps them back without I/O). For weights read only now and then: a prefill graph's, between runs."""
+        if not _DONTNEED:
+            return
+        for rel in rels:
+            data = self._maps.get(rel)
+            if data is not None:
+                data.madvise(_DONTNEED)
+
+    def close(self) -> None:
+        """Drop the maps (call only once no session uses them)."""
+        self._values.clear()
+        self._maps.clear()
+
+
+def open_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    try:
+        try:
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:
+            if not needs_global_pool(err) or not options.use_per_session_threads:
+                raise
+            options.use_per_session_threads = False  # other code made a global pool: every session must use it
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # onnxruntime raises its own exception types, all Exceptions
+        message = " ".join(str(err).split())
+        raise EdgeError(f"{path}: onnxruntime cannot load this graph ({message[:300]})") from None
+
+
+class RunClock:
+    """Seconds spent inside onnxruntime's Run calls (the rest of a step is the runtime's own overhead)."""
+
+    __slots__ = ("seconds", "calls")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+class BoundGraph:
+    """A session whose inputs and outputs are bound once to numpy buffers the caller owns and updates in
+    place; `run` then passes no data through Python at all."""
+
+    def __init__(self, session: ort.InferenceSession, inputs: dict[str, np.ndarray],
+                 outputs: dict[str, np.ndarray], clock: RunClock, where: str) -> None:
+        want_in = {i.name for i in session.get_inputs()}
+        want_out = {o.name for o in session.get_outputs()}
+        need(want_in == set(inputs), f"{where}: graph inputs {sorted(want_in)}, expected {sorted(inputs)}")
+        need(want_out == set(outputs), f"{where}: graph outputs {sorted(want_out)}, expected {sorted(outputs)}")
+        self.session, self.clock, self.where = session, clock, where
+        self.buffers = {**inputs, **outputs}  # keeps the memory the binding points into alive
+        self.binding = session.io_binding()
+        for name, array in inputs.items():
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(_checked(array, where)))
+        for name, array in outputs.items():
+            self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(_checked(array, where)))
+        self._run = session.run_with_iobinding
+
+    def run(self) -> None:
+        start = perf_counter()
+        try:
+            self._run(self.binding)
+        except Exception as err:
+            raise EdgeError(f"{self.where}: onnxruntime failed ({' '.join(str(err).split())[:300]})") from None
+        self.clock.seconds += perf_counter() - start
+        self.clock.calls += 1
+
+
+def _checked(array: np.ndarray, where: str) -> np.ndarray:
+    need(array.flags.c_contiguous and array.flags.writeable, f"{where}: bound buffers must be writable C arrays")
+    return array

@@ -1,0 +1,38 @@
+"""`edgellm run` as aarch64 Python under qemu (a Raspberry Pi 4 CPU), with only numpy, onnxruntime and
+tokenizers installed, gives the host's greedy tokens for fp32, int8 and int4 exports (bench/arm64_check.sh).
+
+Cost on the 2-core dev VM: ~80 s cold (the sandbox downloads ~135 MB of Debian/PyPI packages into
+REPO/.arm64), ~20-25 s once the sandbox exists. Skipped where the sandbox cannot run (no sandbox script,
+not an x86_64 Debian-like host).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SANDBOX = Path(os.environ.get("ARM64_SANDBOX", "/work/shared/tools/arm64-sandbox.sh"))
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SANDBOX.is_file(), reason=f"arm64 sandbox script not found at {SANDBOX}"),
+    pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("apt-get") is None,
+                       reason="the arm64 sandbox needs an x86_64 host with apt"),
+]
+
+
+def test_greedy_tokens_on_aarch64_equal_the_host(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "bench" / "arm64_check.sh"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "ARM64_SANDBOX": str(SANDBOX)})
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report[-3000:]
+    names = (tmp_path / "exports").iterdir()
+    for name in sorted(p.name for p in names):
+        assert f"{name}: same greedy tokens" in proc.stdout, report[-3000:]
+    assert "fp32: same greedy tokens" in proc.stdout
