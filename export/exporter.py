@@ -19,11 +19,12 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
-from edgellm.model import Decoder
+from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import atomic_dir, sha256_file
 from edgellm.runtime.manifest import MANIFEST, FileSpec, GraphSpec, Manifest, dims_from_config
 from edgellm.runtime.sampling import SamplingParams
+from edgellm.runtime.tokenizer import load_tokenizer
 
 from .e2e import check_end_to_end
 from .graphs import Unit, plan_units
@@ -51,7 +52,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     options.validate(cfg)
     need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
     _check_target(out)
-    tok = _check_tokenizer(tokenizer)
+    tok = _check_tokenizer(tokenizer, cfg)
     model.eval()
     model.set_context_len(options.max_seq)
     dims = dims_from_config(cfg.to_dict(), options.max_seq)
@@ -136,17 +137,23 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], files: dict[str, 
 
 def _check_target(out: Path) -> None:
     """Fail before any work if `out` could not be replaced at the end."""
+    existing = next((p for p in (out, *out.parents) if p.exists()), out)  # out.partial is made under it
+    need(existing == out or existing.is_dir(), f"-o {out}: {existing} is not a directory")
     need(not out.exists() or out.is_dir(), f"-o {out}: exists and is not a directory")
     need(not out.exists() or (out / MANIFEST).is_file() or not any(out.iterdir()),
          f"-o {out}: exists and holds no {MANIFEST}; refusing to replace it (choose a new or empty directory)")
 
 
-def _check_tokenizer(path: Path | None) -> Path | None:
+def _check_tokenizer(path: Path | None, cfg: ModelConfig) -> Path | None:
     if path is None:
         return None
     path = Path(path)
     need(path.is_file(), f"{path}: tokenizer file not found")
     need(path.suffix in TOKENIZER_KINDS, f"{path}: expected a tokenizer.json or tokenizer.bin")
+    # load it exactly as `edgellm run` will (Generator.open): a corrupt tokenizer, or one larger than the
+    # vocabulary, must fail here rather than ship inside an export that verifies but cannot run a prompt
+    ids = {} if path.suffix == ".bin" else {"bos_id": cfg.bos_id, "eos_id": cfg.eos_id}
+    load_tokenizer(path, cfg.vocab_size, **ids)
     return path
 
 

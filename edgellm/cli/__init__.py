@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from edgellm import __version__
 from edgellm.runtime.errors import EdgeError
@@ -27,8 +28,16 @@ VERBS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as ONE line, exit 2, like every other bad input (no multi-line usage block);
+    subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="edgellm",
         description="Put a decoder-only LLM on an ARM board: load/train -> export -> quantize -> run -> diff.",
     )
@@ -52,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except EdgeError as exc:
         print(f"edgellm {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the environment (disk full, permissions, a path through a file), not a bug: one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"edgellm {args.verb}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"edgellm {args.verb}: interrupted", file=sys.stderr)

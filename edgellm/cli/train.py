@@ -101,10 +101,10 @@ def _prepare_tokenizer(args: argparse.Namespace, out: Path) -> Path | None:
     from edgellm.train.bpe import train_bpe
 
     dest = out / "tokenizer.json"
-    out.mkdir(parents=True, exist_ok=True)
     if args.tokenizer is not None:
         need(args.tokenizer.suffix == ".json", f"--tokenizer {args.tokenizer}: expected a tokenizer.json")
         load_tokenizer(args.tokenizer)  # reject a broken file before anything trains
+        out.mkdir(parents=True, exist_ok=True)  # only now: a failed check leaves no empty -o behind
         if args.tokenizer.resolve() != dest.resolve():
             shutil.copyfile(args.tokenizer, dest)
         return dest

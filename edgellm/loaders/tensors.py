@@ -69,6 +69,10 @@ class TensorSource:
         handle = self._handles.get(path)
         if handle is None:
             try:
+                open(path, "rb").close()  # safetensors reports a permission error as "No such file or directory"
+            except OSError as exc:
+                raise EdgeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+            try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
             except Exception as exc:  # SafetensorError, OSError: both mean "not a usable file"
                 raise EdgeError(f"{path}: not a readable safetensors file ({exc})") from None

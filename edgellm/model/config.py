@@ -56,9 +56,14 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # provenance only, never behaviour
 
     def __post_init__(self) -> None:
+        _check_types(self)  # configs come from untrusted JSON: "dim": "64", true, NaN must not reach torch
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         need(self.preset in PRESETS, f"unknown preset {self.preset!r}; expected one of {', '.join(PRESETS)}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.head_dim is None or self.head_dim > 0, f"head_dim must be positive, got {self.head_dim}")
+        need(self.n_layers <= MAX_LAYERS, f"n_layers={self.n_layers} is more than {MAX_LAYERS} (corrupt config?)")
         need(self.n_heads % self.n_kv_heads == 0,
              f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         need(self.head_dim is not None or self.dim % self.n_heads == 0,
@@ -69,12 +74,12 @@ class ModelConfig:
         for name in ("rope_short_factor", "rope_long_factor"):
             factor = getattr(self, name)
             if factor is not None:
+                need(isinstance(factor, (list, tuple)) and all(_is_number(f) for f in factor),
+                     f"{name}: expected a list of finite numbers")
                 object.__setattr__(self, name, tuple(float(f) for f in factor))
                 need(len(factor) == self.hd // 2, f"{name} needs head_dim/2={self.hd // 2} values, got {len(factor)}")
         need((self.rope_long_factor is None) == (self.rope_original_max is None),
              "LongRoPE needs both rope_long_factor/rope_short_factor and rope_original_max")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
     # ---- derived values (never stored, so they cannot disagree with the fields) ----
     @property
@@ -134,6 +139,30 @@ class ModelConfig:
         layer = attn + mlp + 2 * d + (2 * d if self.layerscale_init is not None else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * layer + d + head
+
+
+MAX_LAYERS = 1024  # a corrupt n_layers must not make even a meta-device model build billions of modules
+_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
+                                              "dict[str, Any]": dict}
+_JSON_NAMES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
+               "dict[str, Any]": "an object"}
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_types(cfg: ModelConfig) -> None:
+    """Each field holds its annotated type (ints are not bools, numbers are finite); LongRoPE factors are
+    checked where they are converted."""
+    for f in dataclasses.fields(cfg):
+        value, kind = getattr(cfg, f.name), f.type.split(" | ")[0]
+        if (value is None and f.type.endswith("| None")) or kind not in _TYPES:
+            continue
+        ok = _is_number(value) if kind == "float" else (
+            isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool)))
+        need(ok, f"{f.name}: expected {_JSON_NAMES[kind]}{' or null' if f.type.endswith('| None') else ''}, "
+                 f"got {value!r:.40}")
 
 
 def _minicpm_factors(n: int) -> dict[str, Any]:
