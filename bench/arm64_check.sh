@@ -15,7 +15,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${1:-/tmp/edgellm-arm64-check}"
-SB="${ARM64_SANDBOX:-/work/shared/tools/arm64-sandbox.sh}"
+SB="${ARM64_SANDBOX:-$(cd "$(dirname "$0")/../.." && pwd)/shared/tools/arm64-sandbox.sh}"
 ARMDIR="${ARM64_DIR:-$REPO/.arm64}"
 CPUS="${ARM64_CPUS:-cortex-a72}"
 PY="${PYTHON:-python3}"

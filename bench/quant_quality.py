@@ -40,7 +40,7 @@ from edgellm.quant.runner import ExportRunner
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.tokenizer import load_tokenizer
 
-STORIES260K = Path("/work/shared/models/stories260K.bin")
+STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"
 MAX_SEQ, SEQUENCE = 256, 256
 GRID = ([dict(bits=8, group_size=0, symmetric=s, method=m) for s in (True, False) for m in ("rtn", "mse", "awq")]
         + [dict(bits=4, group_size=g, symmetric=s, method=m) for g in (32, 64, 128) for s in (True, False)

@@ -90,7 +90,7 @@ def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
     for g in manifest.graphs:
         if g.seq != manifest.prefill_chunk:
             continue
-        graph = onnx.load(safe_join(src, g.file), load_external_data=False).graph
+        graph = _load_graph(safe_join(src, g.file), False).graph
         tables = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT}
         for n in graph.node:
             op = "Gather" if n.op_type == "Gather" else "MatMul"
@@ -161,7 +161,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
             for stem, specs in _units(manifest):
                 for g in specs:
                     bar.set_postfix_str(g.name)
-                    model = onnx.load(safe_join(src, g.file), load_external_data=True)
+                    model = _load_graph(safe_join(src, g.file), True)
                     if migrator is not None:
                         migrator.apply(model)          # AWQ scales, searched on the first variant
                     found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
@@ -183,7 +183,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
 
 
 def _opset(path: Path) -> int:
-    model = onnx.load(path, load_external_data=False)
+    model = _load_graph(path, False)
     return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
 
 
@@ -228,3 +228,11 @@ def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, We
             "weight_bytes": {"before": before, "after": after},
             "check": comparison.to_dict() if comparison else None,
             "weights": weights}
+
+
+def _load_graph(path: Path, external: bool) -> onnx.ModelProto:
+    """onnx.load with a corrupt file reported as one line naming it (protobuf's DecodeError otherwise escapes)."""
+    try:
+        return onnx.load(str(path), load_external_data=external)
+    except Exception as err:  # google.protobuf DecodeError, OSError, onnx's own errors
+        raise EdgeError(f"{path}: not a readable ONNX graph ({' '.join(str(err).split())[:200]})") from None

@@ -27,7 +27,15 @@ from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest
 from .placement import plan
-from .session import BoundGraph, RunClock, SessionConfig, SharedWeights, open_session, session_options
+from .session import (
+    BoundGraph,
+    RunClock,
+    SessionConfig,
+    SharedWeights,
+    check_io,
+    open_session,
+    session_options,
+)
 
 
 class _Variant:
@@ -82,7 +90,9 @@ class Engine:
         options = session_options(self.config, where.prepack)
         if not where.prepack:
             self.weights.add_to(options, path, where.info)
-        return open_session(path, options), spec.name
+        session = open_session(path, options)
+        check_io(session, spec)
+        return session, spec.name
 
     def _build(self, seq: int) -> _Variant:
         m = self.manifest

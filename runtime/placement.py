@@ -23,8 +23,9 @@ decode 12x slower and int8 80x slower unpacked, so quantized decode graphs are a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from .errors import EdgeError
 from .fileio import safe_join
 from .manifest import GraphSpec, Manifest
 from .onnxmeta import GraphInfo, read_graph_info
@@ -46,9 +47,24 @@ def _stem(spec: GraphSpec) -> str:
     return spec.name.rsplit(".", 1)[0]
 
 
+def check_external_data(directory: Path, spec: GraphSpec, info: GraphInfo) -> None:
+    """Every external-data file of a graph lies inside the export and is readable — checked here, before
+    onnxruntime opens anything (it would resolve the path itself, and log its own multi-line errors)."""
+    folder = PurePosixPath(spec.file).parent
+    for rel in sorted({t.location for t in info.external}):
+        path = safe_join(directory, str(folder / rel))
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            raise EdgeError(f"{path}: cannot read the weights of {spec.file} ({err.strerror or err})") from None
+
+
 def plan(directory: Path, manifest: Manifest, prepack_prefill: bool) -> dict[str, Placement]:
     """Graph name -> Placement, for every graph of the export."""
     infos = {g.name: read_graph_info(safe_join(directory, g.file)) for g in manifest.graphs}
+    for g in manifest.graphs:
+        check_external_data(directory, g, infos[g.name])
     files = {g.name: {t.location for t in infos[g.name].external} for g in manifest.graphs}
     readers: dict[str, set[str]] = {}  # data file -> stems whose graphs read it
     for g in manifest.graphs:

@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from .errors import EdgeError, need
 from .fileio import safe_join
+from .manifest import GraphSpec
 from .onnxmeta import DTYPES, GraphInfo
 from .threadpool import ensure_shared_pool, needs_global_pool
 
@@ -194,3 +195,21 @@ class BoundGraph:
 def _checked(array: np.ndarray, where: str) -> np.ndarray:
     need(array.flags.c_contiguous and array.flags.writeable, f"{where}: bound buffers must be writable C arrays")
     return array
+
+
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16",
+               "tensor(int32)": "int32"}
+
+
+def check_io(session: ort.InferenceSession, spec: GraphSpec) -> None:
+    """The graph's declared inputs/outputs are exactly the manifest's (names, static shapes, dtypes): a graph
+    that disagrees is refused at load time, naming the file, rather than failing mid-generation."""
+    for kind, got, want in (("input", session.get_inputs(), spec.inputs), ("output", session.get_outputs(),
+                                                                            spec.outputs)):
+        declared = {a.name: (tuple(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in got}
+        for t in want:
+            need(t.name in declared, f"{spec.file}: has no {kind} {t.name!r} (the manifest lists it)")
+            need(declared[t.name] == (tuple(t.shape), t.dtype),
+                 f"{spec.file}: {kind} {t.name!r} is {declared[t.name][1]}{list(declared[t.name][0])}, "
+                 f"the manifest says {t.dtype}{list(t.shape)}")
+        need(len(declared) == len(want), f"{spec.file}: declares {len(declared)} {kind}s, the manifest {len(want)}")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SANDBOX = Path(os.environ.get("ARM64_SANDBOX", "/work/shared/tools/arm64-sandbox.sh"))
+SANDBOX = Path(os.environ.get("ARM64_SANDBOX", REPO.parent / "shared" / "tools" / "arm64-sandbox.sh"))
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,7 +16,7 @@ from edgellm.cli import main
 from edgellm.loaders import load_checkpoint
 from edgellm.runtime.errors import EdgeError
 
-STORIES = Path("/work/shared/models/stories260K.bin")
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"  # shared/ beside the repo
 STORIES_SHA256 = "9414d5a285453a7eab631713d171753232c978f6f97654211469aff8be93c8d6"
 # First 20 greedy tokens after BOS from stories260K, computed once with the numpy forward below and pasted in.
 STORIES_GREEDY_20 = [461, 461, 401, 401, 401, 461, 378, 455, 473, 456, 435, 299, 362, 409, 283, 264, 283, 452, 288, 13]

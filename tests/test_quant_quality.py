@@ -28,7 +28,7 @@ from edgellm.quant.report import compare_logits, perplexity
 from edgellm.quant.runner import ExportRunner
 from edgellm.runtime.manifest import read_manifest
 
-STORIES260K = Path("/work/shared/models/stories260K.bin")
+STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not STORIES260K.is_file(), reason="stories260K.bin not available")
 
 

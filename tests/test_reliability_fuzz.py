@@ -234,9 +234,7 @@ def point_outside(directory: Path, location: str) -> None:
 
 
 @pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "evil.data"])
-@pytest.mark.parametrize("kind", ["fp32", pytest.param("int8", marks=pytest.mark.xfail(
-    strict=True, reason="reported: runtime/engine.py lets onnxruntime resolve the external data of quantized "
-                        "graphs itself (onnxruntime 1.31 refuses too, but the runtime does not check first)"))])
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
 def test_external_data_cannot_escape_the_export(tmp_path, capsys, exports, kind, location):
     """The runtime refuses BEFORE onnxruntime opens anything: the one-line error is the runtime's own."""
     bad = Path(shutil.copytree(exports[kind], tmp_path / "bad"))
