@@ -18,8 +18,8 @@ import onnxruntime as ort
 import torch
 
 from edgellm.model import Decoder
+from edgellm.runtime.graphio import Dims, graph_paths
 from edgellm.runtime.kvcache import KVCache
-from edgellm.runtime.manifest import Dims, graph_paths
 
 from .verify import max_abs_diff, session
 

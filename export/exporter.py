@@ -22,7 +22,8 @@ from edgellm import __version__
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import atomic_dir, sha256_file
-from edgellm.runtime.manifest import MANIFEST, FileSpec, GraphSpec, Manifest, dims_from_config
+from edgellm.runtime.graphio import dims_from_config
+from edgellm.runtime.manifest import MANIFEST, FileSpec, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import load_tokenizer
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgellm.model import Decoder
-from edgellm.runtime.manifest import Dims, TensorSpec, graph_io, graph_paths
+from edgellm.runtime.graphio import Dims, TensorSpec, graph_io, graph_paths
 
 
 def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Tensor:

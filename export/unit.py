@@ -15,7 +15,7 @@ from edgellm import __version__
 from edgellm.model import Decoder
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import sha256_file
-from edgellm.runtime.manifest import Dims
+from edgellm.runtime.graphio import Dims
 
 from .datafile import DataFile, Ref
 from .graphs import Unit, example_inputs

@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import EdgeError, need
 from .fileio import atomic_write_text, safe_join, sha256_file
+from .graphio import Dims, TensorSpec, dims_from_config, graph_io
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
@@ -30,14 +31,7 @@ ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head"), "model": ("model",)
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_MAX_LAYERS = 1024  # sanity bound: a corrupt n_layers must not make validation build billions of names
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name: "float32", "int64"
 
 
 @dataclass(frozen=True)
@@ -57,63 +51,6 @@ class FileSpec:
     sha256: str
     bytes: int
 
-
-@dataclass(frozen=True)
-class Dims:
-    """The sizes graph I/O shapes are made of."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dim: int
-    vocab_size: int
-    max_seq: int
-
-
-def dims_from_config(config: dict, max_seq: int) -> Dims:
-    """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads."""
-    need(isinstance(config, dict), "config: expected an object")
-
-    def size(key: str) -> int:
-        need(key in config, f"config: missing key {key!r}")
-        need(_is_int(config[key]) and config[key] > 0, f"config.{key}: expected a positive integer")
-        return config[key]
-
-    need(size("n_layers") <= _MAX_LAYERS, f"config.n_layers: expected <= {_MAX_LAYERS}")
-    head_dim = size("head_dim") if config.get("head_dim") is not None else size("dim") // size("n_heads")
-    need(head_dim > 0, "config: dim // n_heads must be positive")
-    return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq)
-
-
-def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
-    """(graph name, .onnx file, external-data file) in the standard layout: ("layer_3.decode", ...)."""
-    stem = f"layer_{layer}" if role == "layer" else role
-    name = f"{stem}.{'decode' if seq == 1 else 'prefill'}"
-    return name, f"{name}.onnx", f"{stem}.data"
-
-
-def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[TensorSpec, ...],
-                                                                          tuple[TensorSpec, ...]]:
-    """The fixed (inputs, outputs) of a graph; see docs/design.md "Graph I/O names"."""
-    d, s = dims, seq
-
-    def f32(name: str, *shape: int) -> TensorSpec:
-        return TensorSpec(name, shape, "float32")
-
-    def i64(name: str, *shape: int) -> TensorSpec:
-        return TensorSpec(name, shape, "int64")
-
-    if role == "embed":
-        return (i64("tokens", 1, s),), (f32("hidden", 1, s, d.dim),)
-    if role == "head":
-        return (f32("hidden", 1, s, d.dim),), (f32("logits", 1, s, d.vocab_size),)
-    need(role in ("layer", "model"), f"graph role: expected one of embed, layer, head, model, got {role!r}")
-    layers = [layer] if role == "layer" else list(range(d.n_layers))
-    first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
-    first_out = f32("hidden_out", 1, s, d.dim) if role == "layer" else f32("logits", 1, s, d.vocab_size)
-    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
-    present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
-    return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,13 @@ from hypothesis import strategies as st
 
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import atomic_dir, atomic_write_bytes, safe_join, sha256_file
+from edgellm.runtime.graphio import dims_from_config, graph_io, graph_paths
 from edgellm.runtime.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     GraphSpec,
     Manifest,
     describe_files,
-    dims_from_config,
-    graph_io,
-    graph_paths,
     read_manifest,
 )
 
