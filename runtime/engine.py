@@ -32,9 +32,7 @@ from .session import (
     RunClock,
     SessionConfig,
     SharedWeights,
-    check_io,
-    open_session,
-    session_options,
+    open_placed,
 )
 
 
@@ -86,12 +84,7 @@ class Engine:
         """A session placed as `placement.plan` says: pre-packed from its own load, or reading the maps."""
         spec = self.manifest.graph(role, seq, layer)
         path = safe_join(self.directory, spec.file)
-        where = self.placement[spec.name]
-        options = session_options(self.config, where.prepack)
-        if not where.prepack:
-            self.weights.add_to(options, path, where.info)
-        session = open_session(path, options)
-        check_io(session, spec)
+        session = open_placed(path, spec, self.placement[spec.name], self.config, self.weights)
         return session, spec.name
 
     def _build(self, seq: int) -> _Variant:

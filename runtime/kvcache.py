@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import need
+from .errors import EdgeError, need
 
 
 def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
@@ -20,8 +20,8 @@ def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> N
 
     `count` < S when the last prefill chunk is padded: padded rows are never written.
     """
-    need(0 <= start and start + count <= cache.shape[2],
-         f"KV cache overflow: rows {start}..{start + count} do not fit max_seq={cache.shape[2]}")
+    if start < 0 or start + count > cache.shape[2]:  # not need(): its message would be built on every step
+        raise EdgeError(f"KV cache overflow: rows {start}..{start + count} do not fit max_seq={cache.shape[2]}")
     cache[:, :, start:start + count, :] = rows[:, :, :count, :]
 
 

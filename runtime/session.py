@@ -32,6 +32,7 @@ from .errors import EdgeError, need
 from .fileio import safe_join
 from .manifest import GraphSpec
 from .onnxmeta import DTYPES, GraphInfo
+from .placement import Placement
 from .threadpool import ensure_shared_pool, needs_global_pool
 
 MAX_THREADS = 256
@@ -213,3 +214,15 @@ def check_io(session: ort.InferenceSession, spec: GraphSpec) -> None:
                  f"{spec.file}: {kind} {t.name!r} is {declared[t.name][1]}{list(declared[t.name][0])}, "
                  f"the manifest says {t.dtype}{list(t.shape)}")
         need(len(declared) == len(want), f"{spec.file}: declares {len(declared)} {kind}s, the manifest {len(want)}")
+
+
+def open_placed(path: Path, spec: GraphSpec, where: Placement, config: SessionConfig,
+                weights: SharedWeights) -> ort.InferenceSession:
+    """Open a graph as its `Placement` says (pre-packed, or reading the shared weight maps) and check its
+    declared I/O against the manifest: the one way the runtime, and the diff that mirrors it, open graphs."""
+    options = session_options(config, where.prepack)
+    if not where.prepack:
+        weights.add_to(options, path, where.info)
+    session = open_session(path, options)
+    check_io(session, spec)
+    return session

@@ -40,9 +40,10 @@ def tiny_model(preset: str, seed: int = 0, **over) -> Decoder:
     return model.eval()
 
 
-def _sessions(directory: Path, graphs) -> dict[str, ort.InferenceSession]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+def _sessions(directory: Path, graphs, opts: ort.SessionOptions | None = None) -> dict[str, ort.InferenceSession]:
+    if opts is None:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
     return {g.name: ort.InferenceSession(str(directory / g.file), opts, providers=["CPUExecutionProvider"])
             for g in graphs}
 
@@ -76,7 +77,8 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
     return logits[0, :n]
 
 
-def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0) -> tuple[np.ndarray, list[int]]:
+def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0,
+                         opts: ort.SessionOptions | None = None) -> tuple[np.ndarray, list[int]]:
     """Prefill `tokens` in prefill_chunk pieces (the last one padded), then `steps` greedy decode steps.
 
     Returns (logits [len(tokens) + steps, V], one row per position fed; the `steps` greedy tokens fed back).
@@ -84,7 +86,7 @@ def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0)
     """
     directory = Path(directory)
     m = read_manifest(directory)
-    sess = _sessions(directory, m.graphs)
+    sess = _sessions(directory, m.graphs, opts)
     cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
     chunk = m.prefill_chunk
     rows = [_step(sess, m, cache, tokens[i:i + chunk], chunk) for i in range(0, len(tokens), chunk)]

@@ -33,10 +33,9 @@ from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.methods import quantize_weight
 from edgellm.quant.options import QuantizeOptions
 from edgellm.quant.schemes import Scheme, dequantize
-from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
-from tests.export_helpers import _step, tiny_model, torch_logits
+from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
 
 OPTIONS = dict(max_seq=48, prefill_chunk=8)
 PROMPT = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(7)).tolist()  # 2 chunks + 3
@@ -69,21 +68,11 @@ def quantize(src: Path, out: Path, **kw) -> Path:
 
 def generate(directory: Path, tokens: list[int], steps: int, qdq_level: int | None = None) -> tuple[np.ndarray, list[int]]:
     """export_helpers.onnx_generate_logits with a session config: logits [T + steps, V], greedy tokens."""
-    m = read_manifest(directory)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if qdq_level is not None:
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(qdq_level))
-    sess = {g.name: ort.InferenceSession(str(directory / g.file), so, providers=["CPUExecutionProvider"])
-            for g in m.graphs}
-    cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
-    chunk = m.prefill_chunk
-    rows = [_step(sess, m, cache, tokens[i:i + chunk], chunk) for i in range(0, len(tokens), chunk)]
-    new: list[int] = []
-    for _ in range(steps):
-        new.append(int(np.argmax(rows[-1][-1])))
-        rows.append(_step(sess, m, cache, new[-1:], 1))
-    return np.concatenate(rows), new
+    return onnx_generate_logits(directory, tokens, steps, so)
 
 
 def dequantized(model: Decoder, bits: int, group: int, symmetric: bool) -> Decoder:

@@ -25,7 +25,7 @@ from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
 from edgellm.runtime.sampling import SamplingParams, StopParams
-from edgellm.runtime.session import SessionConfig, SharedWeights, open_session, session_options
+from edgellm.runtime.session import SessionConfig, SharedWeights, open_placed
 
 from .trace import Trace, chunk_plan, join_rows
 
@@ -56,11 +56,8 @@ class ExportRunner:
             path = safe_join(self.directory, spec.file)
             if self._placement is None:  # placed exactly as the runtime places them
                 self._placement = plan(self.directory, self.manifest, self.config.prepack_prefill)
-            where = self._placement[spec.name]
-            options = session_options(self.config, where.prepack)
-            if not where.prepack:
-                self._weights.add_to(options, path, where.info)
-            self._sessions[spec.name] = open_session(path, options)
+            self._sessions[spec.name] = open_placed(path, spec, self._placement[spec.name], self.config,
+                                                    self._weights)
         return self._sessions[spec.name]
 
     def _run(self, role: str, seq: int, layer: int | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
