@@ -19,7 +19,7 @@ import torch
 
 from edgellm.model import Decoder
 from edgellm.runtime.graphio import Dims, graph_paths
-from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
 
 from .verify import max_abs_diff, session
 
@@ -51,21 +51,28 @@ def e2e_lengths(max_seq: int, chunk: int) -> tuple[int, int]:
 def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, tokens: np.ndarray,
                 prompt: int) -> np.ndarray:
     """Logits [T, V] for `tokens` [T]: the first `prompt` in chunks of `chunk`, the rest one at a time."""
-    # calls: (first token, real tokens, graph S); the last prefill chunk is padded with token 0
-    calls = [(s, min(chunk, prompt - s), chunk) for s in range(0, prompt, chunk)]
+    # calls: (first token, real tokens, graph S); the last prefill chunk is padded with token 0, unless an
+    # inplace graph would then write past the cache's end (its tokens then go one at a time, as in the runtime)
+    calls = []
+    for s in range(0, prompt, chunk):
+        count = min(chunk, prompt - s)
+        if dims.kv_layout == "inplace" and s + chunk > dims.max_seq:
+            calls += [(t, 1, 1) for t in range(s, s + count)]
+        else:
+            calls.append((s, count, chunk))
     calls += [(t, 1, 1) for t in range(prompt, len(tokens))]
     ids = []
     for start, count, seq in calls:
         chunk_ids = np.zeros((1, seq), np.int64)
         chunk_ids[0, :count] = tokens[start:start + count]
         ids.append(chunk_ids)
-    positions = [(np.arange(seq, dtype=np.int64) + start)[None, :] for start, _, seq in calls]
     runner = OneSession(directory)
     cache = KVCache(dims.n_layers, dims.n_kv_heads, dims.max_seq, dims.head_dim)
+    layout = dims.kv_layout
     if granularity == "model":
         logits = []
-        for (_, count, seq), x, pos in zip(calls, ids, positions, strict=True):
-            feeds = {"tokens": x, "positions": pos, "past_len": cache.past_len()}
+        for (start, count, seq), x in zip(calls, ids, strict=True):
+            feeds = {"tokens": x, **step_feeds(layout, start, seq, dims.max_seq)}
             for i in range(dims.n_layers):
                 feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
             out, *present = runner.run("model", seq, feeds)
@@ -77,11 +84,11 @@ def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, token
     hidden = [runner.run("embed", seq, {"tokens": x})[0] for (_, _, seq), x in zip(calls, ids, strict=True)]
     for i in range(dims.n_layers):
         cache.reset()  # this layer's pass walks the context from 0 again; its own buffers are fresh
-        for c, ((_, count, seq), pos) in enumerate(zip(calls, positions, strict=True)):
+        for c, (start, count, seq) in enumerate(calls):
             hidden[c], k, v = runner.run(f"layer_{i}", seq, {
-                "hidden": hidden[c], "positions": pos, "past_len": cache.past_len(),
+                "hidden": hidden[c], **step_feeds(layout, start, seq, dims.max_seq),
                 f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
-            cache.write(i, k, v, count)
+            cache.write(i, new_rows(layout, k, start), new_rows(layout, v, start), count)
             cache.advance(count)
     return np.concatenate([runner.run("head", seq, {"hidden": h})[0][0, :count]
                            for (_, count, seq), h in zip(calls, hidden, strict=True)])

@@ -56,11 +56,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     tok = _check_tokenizer(tokenizer, cfg)
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model, options), log)
-    units = plan_units(model, options.granularity)
+    units = plan_units(model, options.granularity, options.kv_layout)
     seqs = variant_seqs(options)
     records: dict[str, UnitRecord] = {}
     with torch.no_grad(), tqdm(total=len(units) * len(seqs), desc="export", unit="graph", file=sys.stderr,
@@ -94,6 +94,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
     manifest = Manifest(
         edgellm_version=__version__, preset=cfg.preset, config=cfg.to_dict(), granularity=options.granularity,
+        kv_layout=options.kv_layout,
         max_seq=options.max_seq, prefill_chunk=options.prefill_chunk, opset=options.opset,
         graphs=tuple(_graph_specs(units, records, dims, seqs)), files=files, tokenizer=tok_entry,
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, sampler=asdict(SAMPLER_DEFAULTS), quantization=None,

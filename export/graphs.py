@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from edgellm.model import Decoder
 from edgellm.runtime.graphio import Dims, TensorSpec, graph_io, graph_paths
+from edgellm.runtime.kvcache import write_rows
 
 
 def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Tensor:
@@ -101,7 +102,7 @@ class Unit:
         return (name, file, data, *graph_io(self.role, seq, self.layer, dims))
 
 
-def plan_units(model: Decoder, granularity: str) -> list[Unit]:
+def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> list[Unit]:
     """Export order: the head before the embedding, whose tied table points into head.data."""
     n = model.cfg.n_layers
     if granularity == "model":
@@ -110,15 +111,26 @@ def plan_units(model: Decoder, granularity: str) -> list[Unit]:
     units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes),
              Unit("embed", "embed", None, EmbedGraph(model), lambda x: [model.embed_tokens(x["tokens"])],
                   ("embed.",))]
-    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i), (f"layers.{i}.", "rotary."))
+    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),
+                   (f"layers.{i}.", "rotary."))
               for i in range(n)]
     return units
 
 
-def _layer_ref(model: Decoder, i: int) -> Reference:
+def _layer_ref(model: Decoder, i: int, kv_layout: str) -> Reference:
     def ref(x: dict[str, Tensor]) -> list[Tensor]:
-        return list(model.layers[i](x["hidden"], x["positions"], x[f"past_key.{i}"], x[f"past_value.{i}"],
-                                    x["past_len"]))
+        if kv_layout == "rows":
+            return list(model.layers[i](x["hidden"], x["positions"], x[f"past_key.{i}"], x[f"past_value.{i}"],
+                                        x["past_len"]))
+        # inplace: the expected present_* is the past cache with the new rows written by the one rule
+        s = x["hidden"].shape[1]
+        start = int(x["total_len"]) - s
+        h, k, v = model.layers[i](x["hidden"], (torch.arange(s) + start)[None, :], x[f"past_key.{i}"],
+                                  x[f"past_value.{i}"], torch.tensor([start]))
+        caches = [x[f"past_key.{i}"].numpy().copy(), x[f"past_value.{i}"].numpy().copy()]
+        write_rows(caches[0], k.numpy(), start, s)
+        write_rows(caches[1], v.numpy(), start, s)
+        return [h, *(torch.from_numpy(c) for c in caches)]
     return ref
 
 
@@ -141,6 +153,10 @@ def example_inputs(inputs: tuple[TensorSpec, ...], dims: Dims, gen: torch.Genera
             out[spec.name] = (torch.arange(spec.shape[1]) + past_len)[None, :]
         elif spec.name == "past_len":
             out[spec.name] = torch.tensor([past_len])
+        elif spec.name == "seqlens_k":  # inplace layers: S = the hidden input's length
+            out[spec.name] = torch.tensor([past_len + inputs[0].shape[1] - 1], dtype=torch.int32)
+        elif spec.name == "total_len":
+            out[spec.name] = torch.tensor(past_len + inputs[0].shape[1], dtype=torch.int32)
         else:
             out[spec.name] = torch.randn(spec.shape, generator=gen)
     return out

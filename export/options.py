@@ -9,6 +9,7 @@ from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
 
 GRANULARITIES = ("layer", "model")
+ATTENTIONS = ("fused", "standard")
 # The dynamo exporter emits opset 18+; onnxruntime 1.20 (the oldest the board install allows) runs up to 21.
 OPSETS = range(18, 22)
 
@@ -18,6 +19,10 @@ class ExportOptions:
     max_seq: int = 512         # static context: the KV-cache buffers are [1, n_kv, max_seq, hd]
     prefill_chunk: int = 32    # S of the prefill graphs (decode graphs have S = 1)
     granularity: str = "layer"  # "layer": embed + one graph per layer + head; "model": one graph
+    # "fused": layers hand-built from onnxruntime's fused kernels (GroupQueryAttention, ...; export/fused.py);
+    # "standard": traced standard ONNX ops only, for toolchains without com.microsoft ops. The model graph
+    # (granularity "model") is always traced.
+    attention: str = "fused"
     atol: float = 1e-4         # max |onnxruntime - PyTorch| allowed on any graph output
     opset: int = 20
     seed: int = 0              # of the verification inputs
@@ -32,12 +37,19 @@ class ExportOptions:
              f"--prefill-chunk {self.prefill_chunk} is larger than --max-seq {self.max_seq}")
         need(self.granularity in GRANULARITIES,
              f"--granularity: expected one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        need(self.attention in ATTENTIONS,
+             f"--attention: expected one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         need(isinstance(self.atol, (int, float)) and 0 < self.atol < float("inf"),
              f"--atol: expected a positive number, got {self.atol!r}")
         need(self.opset in OPSETS, f"--opset: expected {OPSETS.start}..{OPSETS.stop - 1}, got {self.opset!r}")
         if cfg is not None:
             need(self.max_seq <= cfg.max_seq_len,
                  f"--max-seq {self.max_seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
+
+    @property
+    def kv_layout(self) -> str:
+        """The cache layout the graphs use (runtime/kvcache.py): fused layers write the cache in place."""
+        return "inplace" if self.attention == "fused" and self.granularity == "layer" else "rows"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

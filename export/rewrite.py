@@ -9,7 +9,7 @@ import onnx
 from edgellm.runtime.errors import need
 from edgellm.runtime.manifest import TensorSpec
 
-_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
+_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
 
 
 def rsqrt_to_div(graph: onnx.GraphProto) -> int:

@@ -18,6 +18,7 @@ from edgellm.runtime.fileio import sha256_file
 from edgellm.runtime.graphio import Dims
 
 from .datafile import DataFile, Ref
+from .fused import build_layer
 from .graphs import Unit, example_inputs
 from .journal import UnitRecord
 from .options import ExportOptions
@@ -45,11 +46,15 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
     try:
         for seq in variant_seqs(options):
             name, file, _, inputs, outputs = unit.graph(seq, dims)
-            trace_in = example_inputs(inputs, dims, torch.Generator().manual_seed(0), 0)
-            model_ir = trace_graph(unit.module, trace_in, [o.name for o in outputs], options.opset, name)
-            fold_weight_transposes(model_ir)
-            strip_metadata(model_ir)
-            data.externalize(model_ir, name_weights(model_ir, weights))
+            if unit.role == "layer" and dims.kv_layout == "inplace":  # hand-built from fused kernels
+                model_ir, names = build_layer(model, unit.layer, seq, dims.max_seq, inputs, outputs, options.opset)
+            else:
+                trace_in = example_inputs(inputs, dims, torch.Generator().manual_seed(0), 0)
+                model_ir = trace_graph(unit.module, trace_in, [o.name for o in outputs], options.opset, name)
+                fold_weight_transposes(model_ir)
+                strip_metadata(model_ir)
+                names = name_weights(model_ir, weights)
+            data.externalize(model_ir, names)
             proto = ir.to_proto(model_ir)
             del model_ir  # drops the exporter's folded weight copies
             rsqrt_to_div(proto.graph)
@@ -72,7 +77,8 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
             raise EdgeError(f"{directory / file}: onnx checker: {str(err).splitlines()[0]}") from None
         past_len = verification_past_len(options.max_seq, inputs[0].shape[1], gen)
         feeds = example_inputs(inputs, dims, gen, past_len)
-        diff = verify_graph(directory / file, unit.reference, feeds, [o.name for o in outputs])
+        diff = verify_graph(directory / file, unit.reference, feeds, [o.name for o in outputs],
+                            in_place=dims.kv_layout == "inplace" and unit.role == "layer")
         need(diff <= options.atol, f"{name}: onnxruntime differs from PyTorch by {diff:.3g} > --atol "
                                    f"{options.atol:g} (seeded inputs, past_len={past_len})")
         verification[name] = diff

@@ -37,10 +37,28 @@ def max_abs_diff(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return worst
 
 
-def verify_graph(path: Path, reference: Reference, inputs: dict[str, Tensor], output_names: list[str]) -> float:
-    """Run the .onnx file and the PyTorch reference on the same inputs; the max abs difference."""
+def verify_graph(path: Path, reference: Reference, inputs: dict[str, Tensor], output_names: list[str],
+                 in_place: bool = False) -> float:
+    """Run the .onnx file and the PyTorch reference on the same inputs; the max abs difference.
+
+    `in_place` (kv_layout "inplace"): each present_* output is bound to its past_* input's buffer, as the
+    runtime binds them, so what is compared is the cache after the graph wrote into it - rows outside
+    [past_len, past_len + S) included, which must come out untouched.
+    """
     sess = session(path)
-    got = sess.run(output_names, {k: v.numpy() for k, v in inputs.items()})
+    feeds = {k: v.numpy().copy() for k, v in inputs.items()}
+    if in_place:
+        binding = sess.io_binding()
+        for name, array in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        got = []
+        for name, spec in zip(output_names, sess.get_outputs(), strict=True):
+            array = feeds.get(name.replace("present_", "past_"), np.zeros(spec.shape, np.float32))
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+            got.append(array)
+        sess.run_with_iobinding(binding)
+    else:
+        got = sess.run(output_names, feeds)
     with torch.no_grad():
         want = [t.numpy() for t in reference(inputs)]
     return max_abs_diff(got, want)

@@ -3,6 +3,7 @@
 A weight's salient input channels (large mean |x|) are scaled up before quantization, W' = W diag(s), and
 whatever produces its input is scaled down by the same s, so the float model computes the same thing:
   gain  an RMSNorm gain feeding only matmuls, Mul(x_hat, g) -> MatMul(., W):  g' = g / s, W' = W diag(s)
+        (or the gamma of a fused SkipSimplifiedLayerNormalization, whose output 0 is x_hat * g)
         (attn_norm -> qkv, mlp_norm -> gate_up, an untied final norm -> lm_head)
   up    SwiGLU's down(silu(gate) * up): gate_up's up rows (F..2F) / s, down' = down diag(s)
 Per group, as AWQ searches: s = mean|x|^a / sqrt(max * min) for a in 0, 0.05, .., 1, keeping the a with
@@ -45,9 +46,16 @@ def find_groups(graph: onnx.GraphProto) -> list[Group]:
     outputs = {o.name for o in graph.output}
     groups = []
     for n in graph.node:
-        if n.op_type != "Mul" or n.domain not in ("", "ai.onnx") or n.output[0] in outputs:
+        if n.output[0] in outputs:
             continue
-        gains = [i for i in n.input if i in inits and len(inits[i].dims) == 1 and inits[i].data_type == TensorProto.FLOAT]
+        if n.op_type == "Mul" and n.domain in ("", "ai.onnx"):
+            candidates = list(n.input)
+        elif n.op_type == "SkipSimplifiedLayerNormalization" and n.domain == "com.microsoft":
+            candidates = [n.input[2]]  # gamma scales output 0 only; output 3 (the residual sum) has no gain
+        else:
+            continue
+        gains = [i for i in candidates
+                 if i in inits and len(inits[i].dims) == 1 and inits[i].data_type == TensorProto.FLOAT]
         if len(gains) != 1 or len(consumers[gains[0]]) != 1:
             continue
         users = consumers.get(n.output[0], [])

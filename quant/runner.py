@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import SessionConfig, session_options
 
@@ -65,9 +65,11 @@ class ExportRunner:
         self.sample_every, self.sample_rows = max(sample_every, 1), sample_rows
         self.samples: dict[str, list[np.ndarray]] = {}
         self._seen = 0                              # real rows fed so far (for the sampling stride)
-        config = config or SessionConfig()
-        self.graphs = {(g.role, g.layer): _Graph(Path(directory), g.file, capture, config)
-                       for g in manifest.graphs if g.seq == self.seq}
+        self.directory, self.capture, self.config = Path(directory), capture, config or SessionConfig()
+        self.graphs: dict[tuple[str, int | None, int], _Graph] = {}
+        for g in manifest.graphs:
+            if g.seq == self.seq:
+                self.graphs[(g.role, g.layer, g.seq)] = _Graph(self.directory, g.file, capture, self.config)
         self.cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim)
         self.abs_sum: dict[str, np.ndarray] = {}   # weight -> sum over real rows of |x| [K] (float64)
         self.rows: dict[str, int] = {}
@@ -78,40 +80,53 @@ class ExportRunner:
         need(0 < len(tokens) <= m.max_seq, f"runner: {len(tokens)} tokens do not fit max_seq {m.max_seq}")
         cache.reset()
         rows = []
-        for start in range(0, len(tokens), self.seq):
-            count = min(self.seq, len(tokens) - start)
-            chunk = np.zeros((1, self.seq), np.int64)
+        for start, count, seq in self._calls(len(tokens)):
+            chunk = np.zeros((1, seq), np.int64)
             chunk[0, :count] = tokens[start:start + count]
-            # padded rows get clamped positions, as the runtime's Engine does: their values are never used
-            positions = np.minimum(np.arange(cache.length, cache.length + self.seq), m.max_seq - 1)[None]
-            common = {"positions": positions.astype(np.int64), "past_len": cache.past_len()}
+            common = step_feeds(m.kv_layout, cache.length, seq, m.max_seq)
             if m.granularity == "model":
                 feeds = {"tokens": chunk, **common}
                 for i in range(m.n_layers):
                     feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
-                out = self._run(("model", None), feeds, count)
+                out = self._run(("model", None, seq), feeds, count)
                 for i in range(m.n_layers):
                     cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
             else:
-                hidden = self._run(("embed", None), {"tokens": chunk}, count)["hidden"]
+                hidden = self._run(("embed", None, seq), {"tokens": chunk}, count)["hidden"]
                 for i in range(m.n_layers):
-                    out = self._run(("layer", i), {"hidden": hidden, **common, f"past_key.{i}": cache.keys[i],
-                                                   f"past_value.{i}": cache.values[i]}, count)
-                    cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
+                    out = self._run(("layer", i, seq), {"hidden": hidden, **common, f"past_key.{i}": cache.keys[i],
+                                                        f"past_value.{i}": cache.values[i]}, count)
+                    cache.write(i, new_rows(m.kv_layout, out[f"present_key.{i}"], start),
+                                new_rows(m.kv_layout, out[f"present_value.{i}"], start), count)
                     hidden = out["hidden_out"]
-                out = self._run(("head", None), {"hidden": hidden}, count)
+                out = self._run(("head", None, seq), {"hidden": hidden}, count)
             cache.advance(count)
             self._seen += count
             rows.append(out["logits"][0, :count])
         return np.concatenate(rows)
 
-    def _run(self, key: tuple[str, int | None], feeds: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    def _calls(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, real tokens, graph S) per call: chunks of S = prefill_chunk, the last one padded - unless an
+        inplace graph would then write past the cache's end: those tokens go one at a time (S = 1 graphs)."""
+        m, calls = self.manifest, []
+        for start in range(0, n, self.seq):
+            count = min(self.seq, n - start)
+            if m.kv_layout == "inplace" and start + self.seq > m.max_seq:
+                calls += [(t, 1, 1) for t in range(start, start + count)]
+            else:
+                calls.append((start, count, self.seq))
+        return calls
+
+    def _run(self, key: tuple[str, int | None, int], feeds: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+        if key not in self.graphs:  # an S = 1 graph, opened the first time a context's tail needs it
+            spec = self.manifest.graph(key[0], key[2], key[1])
+            self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
         out = graph.run(feeds)
         for weight, act in graph.weights.items():
             x = out[act]
             x = x.reshape(-1, x.shape[-1])
-            x = x[:count] if x.shape[0] == self.seq else x          # [S, K]: only the real rows
+            x = x[:count]                                           # [S, K]: only the real rows
             self.abs_sum[weight] = self.abs_sum.get(weight, 0.0) + np.abs(x).sum(axis=0, dtype=np.float64)
             self.rows[weight] = self.rows.get(weight, 0) + x.shape[0]
             if self.sample_rows and x.shape[0] == count:

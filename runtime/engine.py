@@ -5,12 +5,14 @@ Two layouts (manifest `granularity`):
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
-step only writes the token ids, positions and past_len in place, runs the graphs, and copies each layer's
-new K/V rows into the cache with `KVCache.write` (the one cache-update rule).
+step only writes the token ids and position inputs in place, runs the graphs, and copies each layer's
+new K/V rows into the cache with `KVCache.write` (the one cache-update rule). With kv_layout "inplace" (fused
+layer graphs) each layer's present_* is bound to its cache buffers themselves: the graph writes the rows.
 
 Prefill runs the prompt in chunks of S = prefill_chunk; the last chunk is padded with token 0 and only its
 real rows are written to the cache (padding comes after the real tokens, so the causal mask keeps it out
-of every real row). A 1-token remainder uses the S = 1 graphs instead. With layer granularity the head runs
+of every real row). A 1-token remainder uses the S = 1 graphs instead; so does an inplace chunk whose padding
+would run past the end of the cache (the graph writes all S rows). With layer granularity the head runs
 once per prompt, on the last real row only, through its S = 1 graph: the prefill head's [S, V] logits
 would be thrown away but for one row.
 """
@@ -69,8 +71,11 @@ class Engine:
         self.directory, self.manifest, self.cache, self.clock = Path(directory), manifest, cache, clock
         self.config = config
         self.layered = manifest.granularity == "layer"
+        self.in_place = manifest.kv_layout == "inplace"
         self.n_layers = manifest.n_layers  # a property that re-reads the config: not for the hot path
         self.past_len = np.zeros(1, np.int64)
+        self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
+        self.total_len = np.zeros((), np.int32)
         self.weights = SharedWeights(self.directory)
         self.placement = plan(self.directory, manifest, config.prepack_prefill)
         self.chunk = manifest.prefill_chunk
@@ -103,16 +108,20 @@ class Engine:
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
             v.body, v.release = list(v.graphs), [self.placement[name].release]
             return v
-        v.add_present(m.n_layers, m)
+        if not self.in_place:
+            v.add_present(m.n_layers, m)
         # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
         hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
         session, name = self._session("embed", seq)
         v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, name))
+        if self.in_place:
+            common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
         for i in range(m.n_layers):
             inputs = {"hidden": hidden[i % 2], **common,
                       f"past_key.{i}": self.cache.keys[i], f"past_value.{i}": self.cache.values[i]}
-            outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": v.keys[i],
-                       f"present_value.{i}": v.values[i]}
+            present = (self.cache.keys[i], self.cache.values[i]) if self.in_place else (v.keys[i], v.values[i])
+            outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
+                       f"present_value.{i}": present[1]}
             session, name = self._session("layer", seq, i)
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
         v.hidden_out = hidden[m.n_layers % 2]
@@ -138,6 +147,8 @@ class Engine:
         start = 0
         while start < n:
             count = min(self.chunk, n - start)
+            if self.in_place and self.cache.length + self.chunk > self.cache.max_seq:
+                count = 1  # a padded chunk would write past the cache's end
             variant = self.decode if count == 1 else self.prefill
             self._run_chunk(variant, tokens[start:start + count], count)
             start += count
@@ -149,7 +160,10 @@ class Engine:
         v.tokens[0, :count] = tokens
         if count < v.seq:
             v.tokens[0, count:] = 0
-        if v.seq == 1:
+        if self.in_place:
+            self.seqlens_k[0] = length + v.seq - 1
+            self.total_len[()] = length + v.seq
+        elif v.seq == 1:
             v.positions[0, 0] = length
         else:  # padded rows get valid positions too (clamped): their values are never used
             np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
@@ -162,7 +176,7 @@ class Engine:
         else:
             for graph in v.body:
                 graph.run()
-        for i in range(self.n_layers):
+        for i in range(len(v.keys)):  # none when the layers wrote the cache in place
             cache.write(i, v.keys[i], v.values[i], count)
         cache.advance(count)
 

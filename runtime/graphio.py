@@ -34,11 +34,16 @@ class Dims:
     dim: int
     vocab_size: int
     max_seq: int
+    kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
 
 
-def dims_from_config(config: dict, max_seq: int) -> Dims:
+KV_LAYOUTS = ("rows", "inplace")
+
+
+def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads."""
     need(isinstance(config, dict), "config: expected an object")
+    need(kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
 
     def size(key: str) -> int:
         need(key in config, f"config: missing key {key!r}")
@@ -48,7 +53,7 @@ def dims_from_config(config: dict, max_seq: int) -> Dims:
     need(size("n_layers") <= MAX_LAYERS, f"config.n_layers: expected <= {MAX_LAYERS}")
     head_dim = size("head_dim") if config.get("head_dim") is not None else size("dim") // size("n_heads")
     need(head_dim > 0, "config: dim // n_heads must be positive")
-    return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq)
+    return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq, kv_layout)
 
 
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
@@ -69,6 +74,9 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     def i64(name: str, *shape: int) -> TensorSpec:
         return TensorSpec(name, shape, "int64")
 
+    def i32(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(name, shape, "int32")
+
     if role == "embed":
         return (i64("tokens", 1, s),), (f32("hidden", 1, s, d.dim),)
     if role == "head":
@@ -78,5 +86,9 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
     first_out = f32("hidden_out", 1, s, d.dim) if role == "layer" else f32("logits", 1, s, d.vocab_size)
     past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
+    if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
+        need(role == "layer", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")
+        return ((first_in, i32("seqlens_k", 1), i32("total_len"), *past),
+                (first_out, *(TensorSpec(t.name.replace("past_", "present_"), t.shape, t.dtype) for t in past)))
     present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)

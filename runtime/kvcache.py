@@ -6,6 +6,12 @@ filled rows, and returns only the S rows it computed, `present_key.{i}` / `prese
 [1, n_kv, S, head_dim]. Returning only the new rows keeps outputs small (S rows, not max_seq) and leaves
 the buffers owned by the caller: they are allocated once and written in place here, never copied.
 `write_rows` is the only place new rows enter a cache, for onnxruntime and PyTorch alike.
+
+That is the "rows" layout. In the "inplace" layout (fused layer graphs, export/fused.py) a layer takes
+`seqlens_k` / `total_len` instead of positions and `past_len`, and its `present_*` is the whole cache with rows
+[past_len, past_len + S) written: bound to the same buffer as `past_*` (the runtime does), the graph writes
+exactly the rows `write_rows` would, in place; run with separate buffers (the diff, the export checks),
+`new_rows` takes those rows out so they enter the caller's cache through `write_rows` again.
 """
 
 from __future__ import annotations
@@ -23,6 +29,27 @@ def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> N
     if start < 0 or start + count > cache.shape[2]:  # not need(): its message would be built on every step
         raise EdgeError(f"KV cache overflow: rows {start}..{start + count} do not fit max_seq={cache.shape[2]}")
     cache[:, :, start:start + count, :] = rows[:, :, :count, :]
+
+
+def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
+    """The position inputs of a graph running S = `seq` tokens (real or padding) from position `start`.
+
+    rows: positions [1, S] (padding positions clamped to max_seq - 1: their rows are never used) and
+    past_len [1]; inplace: seqlens_k [1] = start + S - 1 and total_len [] = start + S (int32, as
+    GroupQueryAttention takes them; S rows are written, so start + S must fit the cache).
+    """
+    if kv_layout == "inplace":
+        if start + seq > max_seq:
+            raise EdgeError(f"KV cache overflow: rows {start}..{start + seq} do not fit max_seq={max_seq}")
+        return {"seqlens_k": np.array([start + seq - 1], np.int32), "total_len": np.array(start + seq, np.int32)}
+    positions = np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]
+    return {"positions": positions, "past_len": np.array([start], np.int64)}
+
+
+def new_rows(kv_layout: str, present: np.ndarray, start: int) -> np.ndarray:
+    """The graph's new rows [1, n_kv, S, hd]: its `present_*` output itself (rows), or rows start.. of the
+    whole cache it returned (inplace; S is then the caller's, so all max_seq - start rows come back)."""
+    return present if kv_layout == "rows" else present[:, :, start:, :]
 
 
 class KVCache:

@@ -5,6 +5,8 @@ readers accept exactly the versions listed):
   1  embed/layer/head graphs (granularity "layer") or one model graph (granularity "model"), each at
      S = prefill_chunk and S = 1, sharing one external-data file; static KV cache [1, n_kv, max_seq, hd];
      graphs return only the S new rows (present_*). Every file listed with sha256 and byte size.
+  2  adds `kv_layout`: "rows" (version 1's graphs) or "inplace" (layer graphs take seqlens_k/total_len and
+     return the whole cache, written in place; runtime/kvcache.py). A version-1 manifest reads as "rows".
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -21,11 +23,12 @@ from typing import Any
 
 from .errors import EdgeError, need
 from .fileio import atomic_write_text, safe_join, sha256_file
-from .graphio import Dims, TensorSpec, dims_from_config, graph_io
+from .graphio import KV_LAYOUTS, Dims, TensorSpec, dims_from_config, graph_io
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head"), "model": ("model",)}
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -61,6 +64,7 @@ class Manifest:
     preset: str | None
     config: dict                                 # ModelConfig fields, as plain JSON
     granularity: str                             # "layer" | "model"
+    kv_layout: str                               # "rows" | "inplace" (runtime/kvcache.py)
     max_seq: int
     prefill_chunk: int
     opset: int
@@ -79,7 +83,7 @@ class Manifest:
 
     @property
     def dims(self) -> Dims:
-        return dims_from_config(self.config, self.max_seq)
+        return dims_from_config(self.config, self.max_seq, self.kv_layout)
 
     @property
     def n_layers(self) -> int:
@@ -111,6 +115,9 @@ class Manifest:
         """Cross-field checks; types are checked when parsing JSON."""
         roles = ROLES_BY_GRANULARITY.get(self.granularity)
         need(roles is not None, f"granularity: expected 'layer' or 'model', got {self.granularity!r}")
+        need(self.kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        need(self.kv_layout == "rows" or self.granularity == "layer",
+             f"kv_layout: {self.kv_layout!r} needs granularity 'layer', got {self.granularity!r}")
         need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
         need(1 <= self.prefill_chunk <= self.max_seq,
              f"prefill_chunk: expected 1..max_seq={self.max_seq}, got {self.prefill_chunk}")
@@ -254,7 +261,7 @@ _GRAPH = {"name": "string", "role": "string", "layer": "integer?", "seq": "integ
           "data": "string?", "inputs": "array", "outputs": "array"}
 _FILE = {"sha256": "string", "bytes": "integer"}
 _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "string", "preset": "string?",
-        "config": "object", "granularity": "string", "max_seq": "integer", "prefill_chunk": "integer",
+        "config": "object", "granularity": "string", "kv_layout": "string", "max_seq": "integer", "prefill_chunk": "integer",
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
         "eos_id": "integer?", "sampler": "object", "quantization": "object?", "export_options": "object",
         "verification": "object"}
@@ -307,7 +314,10 @@ def _parse(doc: object) -> Manifest:
     need(doc.get("format") == FORMAT, f"format: expected {FORMAT!r}, got {doc.get('format')!r}")
     version = doc.get("format_version")
     need(_is_int(version), f"format_version: expected an integer, got {version!r}")
-    need(version == FORMAT_VERSION, f"format_version {version} is not supported (this edgellm reads {FORMAT_VERSION})")
+    need(version in READS, f"format_version {version} is not supported (this edgellm reads "
+                           f"{', '.join(map(str, READS))})")
+    if version == 1 and isinstance(doc.get("granularity"), str):
+        doc = {**doc, "kv_layout": "rows"}  # version 1 had one layout, and no key for it
     d = _fields(doc, _TOP, "")
     for name, diff in d["verification"].items():
         _check_type(diff, "number", f"verification[{name!r}]")

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import torch
 
 from edgellm.model import Decoder, ModelConfig
-from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
 from edgellm.runtime.manifest import read_manifest
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=256)
@@ -53,10 +53,10 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
     n, kind = len(tokens), "decode" if seq == 1 else "prefill"
     ids = np.zeros((1, seq), np.int64)
     ids[0, :n] = tokens
-    pos = (cache.length + np.arange(seq, dtype=np.int64))[None]
-    past_len = np.array([cache.length], np.int64)
+    start, layout = cache.length, manifest.kv_layout
+    position = step_feeds(layout, start, seq, manifest.max_seq)
     if manifest.granularity == "model":
-        feeds = {"tokens": ids, "positions": pos, "past_len": past_len}
+        feeds = {"tokens": ids, **position}
         for i in range(manifest.n_layers):
             feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
         names = [o.name for o in manifest.graph("model", seq).outputs]
@@ -69,9 +69,8 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
         for i in range(manifest.n_layers):
             hidden, k, v = sess[f"layer_{i}.{kind}"].run(
                 ["hidden_out", f"present_key.{i}", f"present_value.{i}"],
-                {"hidden": hidden, "positions": pos, "past_len": past_len,
-                 f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
-            cache.write(i, k, v, n)
+                {"hidden": hidden, **position, f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
+            cache.write(i, new_rows(layout, k, start), new_rows(layout, v, start), n)
         logits = sess[f"head.{kind}"].run(["logits"], {"hidden": hidden})[0]
     cache.advance(n)
     return logits[0, :n]
@@ -89,7 +88,12 @@ def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0,
     sess = _sessions(directory, m.graphs, opts)
     cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
     chunk = m.prefill_chunk
-    rows = [_step(sess, m, cache, tokens[i:i + chunk], chunk) for i in range(0, len(tokens), chunk)]
+    rows = []
+    for i in range(0, len(tokens), chunk):
+        if m.kv_layout == "inplace" and i + chunk > m.max_seq:  # padding would write past the end (as Engine)
+            rows += [_step(sess, m, cache, [t], 1) for t in tokens[i:i + chunk]]
+        else:
+            rows.append(_step(sess, m, cache, tokens[i:i + chunk], chunk))
     generated: list[int] = []
     for _ in range(steps):
         generated.append(int(np.argmax(rows[-1][-1])))

@@ -80,7 +80,7 @@ def test_graph_files_match_the_manifest(cli_export):
     m = read_manifest(out)
     stems = ["embed", "layer_0", "layer_1", "head"]
     assert sorted(g.file for g in m.graphs) == sorted(f"{s}.{v}.onnx" for s in stems for v in ("prefill", "decode"))
-    types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
+    types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
     for g in m.graphs:
         proto = load_graph(out / g.file)
         assert proto.ir_version == 10 and {o.domain: o.version for o in proto.opset_import}[""] == 20
@@ -121,15 +121,53 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
     assert not (out / "embed.data").exists() and (out / "head.data").stat().st_size < 2 * V * D * 4
     table = np.fromfile(out / "head.data", np.float32, V * D, offset=where[1]).reshape(D, V)
     np.testing.assert_array_equal(table, model.embed.weight.detach().numpy().T)
-    # a data file holds state-dict tensors only; graph constants (masks, shapes) stay in the .onnx
+    # a data file holds state-dict tensors only; graph constants (RoPE tables, shapes) stay in the .onnx
     assert set(externals(load_graph(out / "layer_1.prefill.onnx"))) == {
         f"layers.1.{n}" for n in ("attn_norm.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.o.weight",
-                                  "mlp_norm.weight", "mlp.gate_up.weight", "mlp.down.weight")} | {"rotary.inv_freq"}
+                                  "mlp_norm.weight", "mlp.gate_up.weight", "mlp.down.weight")}
 
 
-def test_graphs_do_no_wasted_work(cli_export, tmp_path):
-    root, _ = cli_export
-    proto = load_graph(root / "out" / "layer_0.prefill.onnx")
+@pytest.fixture(scope="module")
+def standard_export(cli_export):
+    """The same checkpoint with --attention standard: traced graphs of plain ONNX ops, kv_layout rows."""
+    root, model = cli_export
+    out = root / "standard"
+    assert main(["export", str(root / "ckpt"), "-o", str(out), "--attention", "standard", *SMALL]) == 0
+    return out, model
+
+
+def test_fused_layers_are_a_dozen_kernels(cli_export, tmp_path):
+    """The default layer graph: GroupQueryAttention reads and writes the cache in place, both norms fused;
+    after onnxruntime's optimiser a layer is 11 nodes (+2 here: onnxruntime turns MatMul + bias into
+    Reshape-Gemm-Reshape), and nothing copies or transposes the cache."""
+    root, model = cli_export
+    m = read_manifest(root / "out")
+    assert m.kv_layout == "inplace" and m.export_options["attention"] == "fused"
+    proto = load_graph(root / "out" / "layer_0.decode.onnx")
+    for name in ("past_key.0", "past_value.0"):
+        assert [n.op_type for n in proto.graph.node if name in n.input] == ["GroupQueryAttention"]
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(root / "out" / "layer_0.decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node)
+    assert ops["SimplifiedLayerNormalization"] == ops["SkipSimplifiedLayerNormalization"] == 1
+    assert ops["MatMul"] + ops["Gemm"] == 4 and sum(ops.values()) <= 13, ops
+    assert not {"Transpose", "Concat", "Where", "Softmax"} & set(ops)
+
+
+def test_standard_export_has_only_onnx_ops_and_matches(standard_export):
+    out, model = standard_export
+    m = read_manifest(out)
+    assert m.kv_layout == "rows"
+    assert {n.domain for g in m.graphs for n in load_graph(out / g.file).graph.node} <= {"", "ai.onnx"}
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.vocab_size, 13)]
+    got, generated = onnx_generate_logits(out, tokens, steps=3)
+    np.testing.assert_allclose(got, torch_logits(model, tokens + generated), atol=1e-4, rtol=0)
+
+
+def test_graphs_do_no_wasted_work(standard_export, tmp_path):
+    out, _ = standard_export
+    proto = load_graph(out / "layer_0.prefill.onnx")
     ops = Counter(n.op_type for n in proto.graph.node)
     # the causal mask is a folded constant; torch.rsqrt became Div so onnxruntime can fuse the RMSNorm
     assert not {"Trilu", "Range", "ConstantOfShape", "Expand", "Tile", "Shape", "Reciprocal"} & set(ops)
@@ -137,7 +175,7 @@ def test_graphs_do_no_wasted_work(cli_export, tmp_path):
     assert consumers == {"past_key.0": ["Transpose"], "past_value.0": ["MatMul"]}
     opts = ort.SessionOptions()
     opts.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    ort.InferenceSession(str(root / "out" / "layer_0.prefill.onnx"), opts, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(str(out / "layer_0.prefill.onnx"), opts, providers=["CPUExecutionProvider"])
     opt = onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node
     # both RMSNorms fused; the cache is read by the two attention matmuls only (K's transpose fused in)
     assert Counter(n.op_type for n in opt)["SimplifiedLayerNormalization"] == 2

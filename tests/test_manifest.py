@@ -28,10 +28,10 @@ CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim":
           "rope_theta": 10000.0, "rope_scaling": [1.0, 0.5]}
 
 
-def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4) -> Manifest:
+def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows") -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    dims = dims_from_config(CONFIG, max_seq=16)
+    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout)
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
@@ -44,7 +44,8 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4) 
     (root / "tokenizer.json").write_text('{"model": {}}')
     relpaths = sorted({g.file for g in graphs} | {g.data for g in graphs} | {"tokenizer.json"})
     manifest = Manifest(
-        edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, max_seq=16,
+        edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, kv_layout=kv_layout,
+        max_seq=16,
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
         tokenizer={"file": "tokenizer.json", "kind": "hf"}, bos_id=1, eos_id=2,
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
@@ -68,21 +69,26 @@ def rejects(root: Path, match: str, verify: bool = True) -> None:
 # -------------------------------------------------------------------------------------------- round trip
 
 
-@pytest.mark.parametrize("granularity,chunk", [("layer", 4), ("model", 4), ("layer", 1)])
-def test_round_trip(tmp_path: Path, granularity: str, chunk: int) -> None:
-    written = make_export(tmp_path, granularity, chunk)
+@pytest.mark.parametrize("granularity,chunk,layout", [("layer", 4, "rows"), ("model", 4, "rows"), ("layer", 1, "rows"),
+                                                      ("layer", 4, "inplace")])
+def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -> None:
+    written = make_export(tmp_path, granularity, chunk, layout)
     text = (tmp_path / MANIFEST).read_text()
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 1
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 2
+    assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
     if granularity == "layer":
         g = got.graph("layer", 1, layer=1)
         assert (g.name, g.file, g.data) == ("layer_1.decode", "layer_1.decode.onnx", "layer_1.data")
-        assert [t.name for t in g.inputs] == ["hidden", "positions", "past_len", "past_key.1", "past_value.1"]
+        positions = ["positions", "past_len"] if layout == "rows" else ["seqlens_k", "total_len"]
+        assert [t.name for t in g.inputs] == ["hidden", *positions, "past_key.1", "past_value.1"]
         assert [t.name for t in g.outputs] == ["hidden_out", "present_key.1", "present_value.1"]
+        rows = 1 if layout == "rows" else 16  # inplace: present_* is the whole cache
+        assert g.outputs[1].shape == (1, 2, rows, 4)
     else:
         g = got.graph("model", chunk)
         assert g.inputs[3].shape == (1, 2, 16, 4) and g.outputs[0].shape == (1, chunk, 32)
@@ -92,13 +98,28 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int) -> None:
         got.graph("head", 3)
 
 
+def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
+    """Exports written before kv_layout existed (format_version 1, no key) still load, as "rows"."""
+    make_export(tmp_path)
+    edit(tmp_path, lambda d: (d.update(format_version=1), d.pop("kv_layout")))
+    assert read_manifest(tmp_path).kv_layout == "rows"
+
+
+def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
+    make_export(tmp_path, "model")
+    edit(tmp_path, lambda d: d.update(kv_layout="inplace"))
+    rejects(tmp_path, "kv_layout: 'inplace' needs granularity 'layer'")
+    edit(tmp_path, lambda d: d.update(kv_layout="paged"))
+    rejects(tmp_path, "kv_layout: expected one of rows, inplace")
+
+
 # ----------------------------------------------------------------------------------------------- rejects
 
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1\)")
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

@@ -33,6 +33,7 @@ from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.methods import quantize_weight
 from edgellm.quant.options import QuantizeOptions
 from edgellm.quant.schemes import Scheme, dequantize
+from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
 from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
@@ -247,11 +248,12 @@ def test_awq_migration_leaves_the_float_graphs_unchanged(tied, untied) -> None:
     for src, file in ((tied[1], "layer_1.prefill.onnx"), (tied[1], "head.prefill.onnx"), (untied[1], "model.prefill.onnx")):
         model = onnx.load(src / file)
         migrated, groups = migrate_randomly(model, rng)
+        inputs = _session(model).get_inputs()
         feeds = {i.name: (rng.integers(0, 256, i.shape) if "int" in i.type else rng.standard_normal(i.shape))
-                 .astype(np.int64 if "int" in i.type else np.float32) for i in _session(model).get_inputs()}
-        if "past_len" in feeds:
-            feeds["past_len"] = np.array([5], np.int64)
-            feeds["positions"] = (5 + np.arange(feeds["positions"].shape[1], dtype=np.int64))[None]
+                 .astype(np.int64 if "int" in i.type else np.float32) for i in inputs}
+        if "past_len" in feeds or "total_len" in feeds:  # a layer or model graph: 5 filled cache rows
+            layout = "rows" if "past_len" in feeds else "inplace"
+            feeds.update(step_feeds(layout, 5, inputs[0].shape[1], inputs[-1].shape[2]))
         for a, b in zip(_session(model).run(None, feeds), _session(migrated).run(None, feeds), strict=True):
             assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(a).max()), file
         kinds = sorted((g.kind, g.source) for g in groups)

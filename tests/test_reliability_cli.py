@@ -288,8 +288,8 @@ def _truncate_resealed(rel: str) -> Callable[[Path], None]:
 
 
 EXPORT_CASES = {  # id: (edit, text the one line must hold)
-    "version": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=2)),
-                "format_version 2 is not supported"),
+    "version": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=3)),
+                "format_version 3 is not supported"),
     "format": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format="other")), "format: expected"),
     "not-json": (_truncate("manifest.json", 0.5), "manifest.json: not valid JSON"),
     "missing-file": (lambda d: (d / "layer_1.data").unlink(), "layer_1.data: listed in files but missing"),
@@ -334,18 +334,18 @@ def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
 
 
 def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export):
-    """The decode graph of layer 0 declares past_len [2]: sha256 and sizes match (resealed), so only a
+    """The decode graph of layer 0 declares seqlens_k [2]: sha256 and sizes match (resealed), so only a
     load-time shape check catches it - before a token is printed, naming the graph file."""
     def edit(d: Path) -> None:
         path = d / "layer_0.decode.onnx"
         model = onnx.load(str(path), load_external_data=False)
-        (past_len,) = [i for i in model.graph.input if i.name == "past_len"]
-        past_len.type.tensor_type.shape.dim[0].dim_value = 2
+        (lengths,) = [i for i in model.graph.input if i.name == "seqlens_k"]
+        lengths.type.tensor_type.shape.dim[0].dim_value = 2
         onnx.save(model, str(path))
         reseal(d, "layer_0.decode.onnx")
 
     bad = copy_with(export, tmp_path / "bad", edit)
-    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], "layer_0.decode.onnx", "past_len")
+    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], "layer_0.decode.onnx", "seqlens_k")
 
 
 # ----------------------------------------------------------------------------- sampling, prompt, context
@@ -382,10 +382,10 @@ def test_every_verb_as_a_process_exits_2_with_one_line(tmp_path, ckpt, export):
                   "--preset gpt9"),
         "tokenizer": (["tokenizer", "encode", ckpt / "edgellm.json", "--text", "a"], "edgellm.json"),
         "export": (["export", bad, "-o", out], "not a checkpoint"),
-        "quantize": (["quantize", bad, "-o", out, "--bits", "4"], "format_version 2"),
+        "quantize": (["quantize", bad, "-o", out, "--bits", "4"], "format_version 3"),
         "run": (["run", export, "--prompt-ids", "1", "--top-k", "-1"], "--top-k"),
-        "bench": (["bench", bad], "format_version 2"),
-        "diff": (["diff", ckpt, bad, "-o", out], "format_version 2"),
+        "bench": (["bench", bad], "format_version 3"),
+        "diff": (["diff", ckpt, bad, "-o", out], "format_version 3"),
         "argparse": (["run", export, "--max-new-tokens", "many"], "--max-new-tokens"),
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "edgellm", *map(str, argv)], stdout=subprocess.PIPE,

@@ -23,6 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=32, help="tokens per prefill graph call (default 32)")
     parser.add_argument("--granularity", choices=("layer", "model"), default="layer",
                         help="layer: embed + one graph per layer + head (default); model: one graph")
+    parser.add_argument("--attention", choices=("fused", "standard"), default="fused",
+                        help="fused: layers built from onnxruntime's fused CPU kernels (GroupQueryAttention, "
+                             "SkipSimplifiedLayerNormalization), the cache written in place (default, fastest); "
+                             "standard: plain ONNX ops only, for toolchains without com.microsoft ops "
+                             "(granularity model is always standard)")
     parser.add_argument("--atol", type=float, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output (default 1e-4)")
     parser.add_argument("--opset", type=int, default=20, help="ONNX opset, 18..21 (default 20)")
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     # the flags are checked before the (possibly slow) load; the model's own limits after it
     max_seq = args.max_seq if args.max_seq is not None else DEFAULT_MAX_SEQ
     options = ExportOptions(max_seq=max_seq, prefill_chunk=args.prefill_chunk, granularity=args.granularity,
-                            atol=args.atol, opset=args.opset)
+                            attention=args.attention, atol=args.atol, opset=args.opset)
     options.validate()
     loaded = load_checkpoint(args.checkpoint)
     if args.max_seq is None and loaded.config.max_seq_len < max_seq:

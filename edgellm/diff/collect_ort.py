@@ -21,7 +21,7 @@ import onnxruntime as ort
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.generator import Generator
-from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
 from edgellm.runtime.sampling import SamplingParams, StopParams
@@ -67,42 +67,51 @@ class ExportRunner:
 
     def step(self, cache: KVCache, ids: list[int], capture: dict[str, list] | None = None) -> np.ndarray:
         """Run `ids` (one chunk) through the prefill graphs at the cache's length, padded to S; write their K/V
-        rows, return logits [len(ids), V]. `capture` collects per-layer rows when given."""
+        rows, return logits [len(ids), V]. `capture` collects per-layer rows when given. An inplace chunk
+        whose padding would run past the cache's end goes through the S = 1 graphs (as the runtime does)."""
+        m = self.manifest
+        seq = m.prefill_chunk
+        if len(ids) > seq:
+            raise EdgeError(f"internal: chunk of {len(ids)} tokens exceeds the graph's S={seq}")
+        if m.kv_layout == "inplace" and cache.length + seq > m.max_seq:
+            return np.concatenate([self._step(cache, [t], 1, capture) for t in ids])
+        return self._step(cache, ids, seq, capture)
+
+    def _step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None) -> np.ndarray:
         m = self.manifest
         count = len(ids)
-        seq = m.prefill_chunk
-        if count > seq:
-            raise EdgeError(f"internal: chunk of {count} tokens exceeds the graph's S={seq}")
         tokens = np.zeros((1, seq), np.int64)
         tokens[0, :count] = ids  # padding: token 0, computed but never written to the cache
-        positions = np.minimum(np.arange(cache.length, cache.length + seq, dtype=np.int64), m.max_seq - 1)[None, :]
-        past_len = cache.past_len()
+        start = cache.length
+        position = step_feeds(m.kv_layout, start, seq, m.max_seq)
         if m.granularity == "model":
-            feeds = {"tokens": tokens, "positions": positions, "past_len": past_len}
+            feeds = {"tokens": tokens, **position}
             for i in range(m.n_layers):
                 feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
             out = self._run("model", seq, None, feeds)
             for i in range(m.n_layers):
-                self._write(cache, i, out, count, capture)
+                self._write(cache, i, out, start, count, capture)
             logits = out["logits"]
         else:
             hidden = self._run("embed", seq, None, {"tokens": tokens})["hidden"]
             if capture is not None:
                 capture["embed"].append(hidden[0, :count].copy())
             for i in range(m.n_layers):
-                out = self._run("layer", seq, i, {"hidden": hidden, "positions": positions, "past_len": past_len,
+                out = self._run("layer", seq, i, {"hidden": hidden, **position,
                                                   f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
                 hidden = out["hidden_out"]
-                self._write(cache, i, out, count, capture)
+                self._write(cache, i, out, start, count, capture)
                 if capture is not None:
                     capture["hidden"][i].append(hidden[0, :count].copy())
             logits = self._run("head", seq, None, {"hidden": hidden})["logits"]
         cache.advance(count)
         return logits[0, :count]
 
-    @staticmethod
-    def _write(cache: KVCache, i: int, out: dict[str, np.ndarray], count: int, capture: dict[str, list] | None) -> None:
-        k_rows, v_rows = out[f"present_key.{i}"], out[f"present_value.{i}"]  # [1, n_kv, S, hd]
+    def _write(self, cache: KVCache, i: int, out: dict[str, np.ndarray], start: int, count: int,
+               capture: dict[str, list] | None) -> None:
+        layout = self.manifest.kv_layout
+        k_rows = new_rows(layout, out[f"present_key.{i}"], start)  # [1, n_kv, >= count, hd]
+        v_rows = new_rows(layout, out[f"present_value.{i}"], start)
         cache.write(i, k_rows, v_rows, count)
         if capture is not None:
             capture["keys"][i].append(k_rows[0, :, :count].copy())

@@ -1,0 +1,191 @@
+"""Decoder layers as hand-built graphs of onnxruntime's fused CPU kernels (`--attention fused`).
+
+Why: the traced layer is 54 nodes after onnxruntime's optimiser (rotate-half as Split/Neg/Concat, the cache
+mask as Less/Where, the [past | new] softmax as Concat/Split), and at the stories15M shape those small ops
+took ~70 % of a decode step. Built from fused kernels the layer is ~12 nodes:
+
+    SimplifiedLayerNormalization -> MatMul qkv (+ bias) [-> per-head q/k norm] ->
+    GroupQueryAttention (RoPE inside, KV cache written in place) -> MatMul o ->
+    SkipSimplifiedLayerNormalization (residual add + norm) -> MatMul gate_up -> Split -> SiLU * up ->
+    MatMul down -> Add
+
+Cache layout "inplace" (docs/design.md): `present_key.{i}` is the whole [1, n_kv, max_seq, hd] cache with rows
+[past_len, past_len + S) written; the runtime binds it to the very buffer it passes as `past_key.{i}`, so
+GroupQueryAttention appends in place and reads only the filled rows (`total_len`). The rows it writes are the
+ones `runtime.kvcache.write_rows` would write; export-time verification checks exactly that.
+
+Everything the seeds scale is folded into tables or weights, so no preset adds ops to the hot path:
+- RoPE (rotate-half or interleaved, LongRoPE factors and mscale) -> the cos/sin caches, taken from the model's
+  own `Rotary` at positions 0..max_seq-1;
+- XPos -> separate q and k caches (cos * scale, sin * scale; scale is per frequency pair, so it commutes with
+  the rotation), applied by two RotaryEmbedding ops before attention (GroupQueryAttention has one cache);
+- LayerScale gamma and the MiniCPM depth scale -> the output columns of o and down: (x W^T) * g = x (W * g)^T.
+The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
+(rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnx import TensorProto, helper
+
+from edgellm.model import Decoder
+from edgellm.runtime.graphio import TensorSpec
+
+MS = "com.microsoft"
+_DT = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
+
+
+class _Builder:
+    """Nodes and initializers of one graph; `weights` collects the state-dict tensors (for the data file)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.weights: set[str] = set()
+        self._n = 0
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
+        self._n += 1
+        outs = [f"{op_type.lower()}_{self._n}" + (f"_{j}" if n_out > 1 else "") for j in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=f"{op_type}_{self._n}", domain=domain,
+                                           **attrs))
+        return outs
+
+    def const(self, name: str, array: np.ndarray, weight: bool = False) -> str:
+        self.inits.append(onnx.numpy_helper.from_array(np.ascontiguousarray(array), name))
+        if weight:
+            self.weights.add(name)
+        return name
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).numpy()
+
+
+def _rms_norm(b: _Builder, x: str, weight: str, eps: float, clamp: bool) -> str:
+    """RMSNorm over the last axis in standard ops: x / sqrt(mean(x^2) + eps) * w, the pattern onnxruntime fuses
+    into its SimplifiedLayerNormalization kernel (which has no ONNX schema at opset 20, so the graph cannot
+    name it and still pass the ONNX checker); or seed 000's clamp, max(mean(x^2), eps), which stays unfused."""
+    two = b.const(f"{weight}.two", np.array(2.0, np.float32))
+    axes = b.const(f"{weight}.axes", np.array([-1], np.int64))
+    ms = b.op("ReduceMean", [b.op("Pow", [x, two])[0], axes], keepdims=1)[0]
+    floor = b.const(f"{weight}.eps", np.array(eps, np.float32))
+    rms = b.op("Sqrt", [b.op("Max" if clamp else "Add", [ms, floor])[0]])[0]
+    return b.op("Mul", [b.op("Div", [x, rms])[0], weight])[0]
+
+
+def _rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray, ...]:
+    """(cos, sin, q_scale, k_scale), each [max_seq, hd/2] per frequency (scales None without XPos)."""
+    cfg = model.cfg
+    cos, sin, q_scale, k_scale = model.rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
+    def per_freq(t: torch.Tensor | None) -> np.ndarray | None:
+        if t is None:
+            return None
+        t = t[0, 0]
+        return _np(t[:, : cfg.hd // 2] if cfg.rope_style == "half" else t[:, 0::2])
+    return per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
+
+
+def build_layer(model: Decoder, layer: int, seq: int, max_seq: int, inputs: tuple[TensorSpec, ...],
+                outputs: tuple[TensorSpec, ...], opset: int) -> tuple[ir.Model, set[str]]:
+    """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
+
+    `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
+    past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
+    """
+    cfg, block = model.cfg, model.layers[layer]
+    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+    clamp = cfg.norm_eps_mode == "clamp"
+    p = f"layers.{layer}."
+    b = _Builder()
+    hidden, seqlens_k, total_len, past_k, past_v = (t.name for t in inputs)
+    _, present_k, present_v = (t.name for t in outputs[:3])
+
+    # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
+    x = _rms_norm(b, hidden, b.const(p + "attn_norm.weight", _np(block.attn_norm.weight), True), cfg.norm_eps, clamp)
+    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _np(block.attn.qkv.weight).T, True)])[0]
+    if cfg.qkv_bias:
+        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _np(block.attn.qkv.bias), True)])[0]
+    cos, sin, q_scale, k_scale = _rope_tables(model, max_seq)
+    separate = cfg.qk_norm or cfg.xpos  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
+    if separate:
+        sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))
+        q, k, v = b.op("Split", [qkv, sizes], n_out=3, axis=-1)
+    if cfg.qk_norm:  # per-head RMSNorm: [1,S,heads*hd] -> [1,S,heads,hd] -> norm -> back
+        for name, heads in (("q", h), ("k", kv)):
+            t = q if name == "q" else k
+            t = b.op("Reshape", [t, b.const(f"{p}{name}.heads", np.array([1, seq, heads, hd], np.int64))])[0]
+            w = b.const(f"{p}attn.{name}_norm.weight", _np(getattr(block.attn, f"{name}_norm").weight), True)
+            t = _rms_norm(b, t, w, cfg.norm_eps, clamp)
+            t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
+            q, k = (t, k) if name == "q" else (q, t)
+    interleaved = int(cfg.rope_style == "interleaved")
+    if cfg.xpos:  # RoPE with XPos scales applied here, per tensor; positions start at total_len - S
+        start = b.op("Sub", [total_len, b.const(p + "seq", np.array(seq, np.int32))])[0]
+        start = b.op("Reshape", [b.op("Cast", [start], to=TensorProto.INT64)[0],
+                                 b.const(p + "one", np.array([1], np.int64))])[0]
+        q = b.op("RotaryEmbedding", [q, start, b.const(p + "rope.q_cos", cos * q_scale),
+                                     b.const(p + "rope.q_sin", sin * q_scale)], domain=MS,
+                 interleaved=interleaved, num_heads=h)[0]
+        k = b.op("RotaryEmbedding", [k, start, b.const(p + "rope.k_cos", cos * k_scale),
+                                     b.const(p + "rope.k_sin", sin * k_scale)], domain=MS,
+                 interleaved=interleaved, num_heads=kv)[0]
+        rope_in, rotary = ["", ""], 0
+    else:
+        rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
+    qkv_in = [q, k, v] if separate else [qkv, "", ""]
+    att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
+                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd ** -0.5),
+                             do_rotary=rotary, rotary_interleaved=interleaved)
+    branch = _branch_scale(block, "ls_attn")
+    a = b.op("MatMul", [att, b.const(p + "attn.o.weight", _np(block.attn.o.weight).T * branch, True)])[0]
+
+    # MLP branch, on the residual stream hidden + a
+    w2 = b.const(p + "mlp_norm.weight", _np(block.mlp_norm.weight), True)
+    if clamp:
+        res = b.op("Add", [hidden, a])[0]
+        y = _rms_norm(b, res, w2, cfg.norm_eps, True)
+    else:
+        y, _, _, res = b.op("SkipSimplifiedLayerNormalization", [a, hidden, w2], n_out=4, domain=MS,
+                            epsilon=cfg.norm_eps)
+    gu = b.op("MatMul", [y, b.const(p + "mlp.gate_up.weight", _np(block.mlp.gate_up.weight).T, True)])[0]
+    f = cfg.hidden_dim
+    gate, up = b.op("Split", [gu, b.const(p + "gate_up.split", np.array([f, f], np.int64))], n_out=2, axis=-1)
+    silu = b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0]
+    branch = _branch_scale(block, "ls_mlp")
+    d = b.op("MatMul", [b.op("Mul", [silu, up])[0],
+                        b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
+    out = b.op("Add", [res, d])[0]
+
+    # name the graph outputs: rename the producing nodes' outputs
+    _rename(b.nodes, {out: outputs[0].name, new_k: present_k, new_v: present_v})
+    graph = helper.make_graph(b.nodes, f"layer_{layer}", [_info(t) for t in inputs], [_info(t) for t in outputs],
+                              b.inits)
+    proto = helper.make_model(graph, ir_version=10, producer_name="edgellm",
+                              opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    return ir.from_proto(proto), b.weights
+
+
+def _branch_scale(block: torch.nn.Module, gamma: str) -> np.ndarray | float:
+    """What multiplies a branch's output columns: LayerScale gamma [D] times the depth scale, or 1."""
+    cfg = block.cfg
+    g = _np(getattr(block, gamma)) if cfg.layerscale_init is not None else np.float32(1.0)
+    return (g * np.float32(cfg.residual_scale)).astype(np.float32)
+
+
+def _rename(nodes: list[onnx.NodeProto], names: dict[str, str]) -> None:
+    for node in nodes:
+        for j, o in enumerate(node.output):
+            if o in names:
+                node.output[j] = names[o]
+        for j, i in enumerate(node.input):
+            if i in names:
+                node.input[j] = names[i]
+
+
+def _info(t: TensorSpec) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(t.name, _DT[t.dtype], list(t.shape))
