@@ -1,6 +1,6 @@
 """Quantization quality: which scheme, how much accuracy (the README's table).
 
-    python bench/quant_quality.py [--work DIR] [--models demo,stories260k] [--tokens 2048]
+    python bench/quant_quality.py [--work DIR] [--models demo,stories260k,medium] [--tokens 4096]
                                   [--demo-checkpoint DIR] [--no-diff]
 
 Per model: the fp32 export, then every scheme of the grid - int8 per channel, int4 with groups of
@@ -14,6 +14,8 @@ the PyTorch checkpoint) on fp32, int8 and int4 g32 rtn/awq as a cross-check.
 Models and evaluation text:
   demo        the demo's llama2-preset model (`train_demo(size="small")`, ~3 min, or --demo-checkpoint);
               held-out stories from the demo's generator (seed 4242, the model trained on seed 0).
+  medium      a larger model of another preset: qwen3 (qk-norm, GQA, tied embeddings), ~3.4 M parameters
+              (`train_demo(size="medium", budget_s=480)`, ~8 min); evaluated exactly like demo.
   stories260k llama2.c's stories260K (real weights, /work/shared/models). Its tokenizer is not available,
               so the text is sampled from the fp32 export (temperature 1, seed 50000; calibration for awq
               uses seed 0, so the two never share a sequence).
@@ -42,6 +44,8 @@ from edgellm.runtime.tokenizer import load_tokenizer
 
 STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"
 MAX_SEQ, SEQUENCE = 256, 256
+TRAINED = {"demo": ("small", 170.0), "medium": ("medium", 480.0)}  # model -> train_demo size, budget (s)
+MODELS = ("stories260k", *TRAINED)
 GRID = ([dict(bits=8, group_size=0, symmetric=s, method=m) for s in (True, False) for m in ("rtn", "mse", "awq")]
         + [dict(bits=4, group_size=g, symmetric=s, method=m) for g in (32, 64, 128) for s in (True, False)
            for m in ("rtn", "mse", "awq")])
@@ -54,14 +58,17 @@ def log(msg: str) -> None:
 def checkpoint(name: str, work: Path, demo_checkpoint: Path | None) -> Path:
     if name == "stories260k":
         return STORIES260K
-    if demo_checkpoint is not None:
+    if name == "demo" and demo_checkpoint is not None:
         return demo_checkpoint
-    out = work / "demo-checkpoint"
+    size, budget_s = TRAINED[name]
+    out = work / f"{name}-checkpoint"
     if not (out / "model.safetensors").is_file():
         from edgellm.train.demo import train_demo
 
-        log("training the demo model (~3 min)")
-        train_demo(out, size="small", progress=False)
+        log(f"training the {name} model (size {size!r}, ~{budget_s / 60:.0f} min)")
+        result = train_demo(out, budget_s=budget_s, size=size, progress=False)
+        log(f"{name}: {result.n_params:,} params, val loss {result.val_loss:.3f} "
+            f"(unigram entropy {result.unigram_entropy:.3f}), {result.train.steps} steps")
     return out
 
 
@@ -136,7 +143,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
                **evaluate(out, sequences, refs)}
         rows.append(row)
         log(f"{name} {row['scheme']:<22} KL {row['mean_kl']:.3e} top1 {row['top1']:.2%} dPPL {row['dppl_pct']:+.2f}%")
-    diff = None if args.no_diff else run_diff(ckpt, fp32, work, text_file if name == "demo" else None)
+    diff = None if args.no_diff else run_diff(ckpt, fp32, work, None if name == "stories260k" else text_file)
     return {"model": name, "checkpoint": str(ckpt), "eval_positions": rows[0]["positions"],
             "ppl_fp32": rows[0]["ppl_fp32"], "rows": rows, "diff": diff}
 
@@ -165,11 +172,14 @@ def markdown(result: dict) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/edgellm-bench/quant"))
-    p.add_argument("--models", default="demo,stories260k")
+    p.add_argument("--models", default="demo,stories260k", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--tokens", type=int, default=4096, help="held-out tokens per model")
     p.add_argument("--demo-checkpoint", type=Path, default=None)
     p.add_argument("--no-diff", action="store_true")
     args = p.parse_args()
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
     results = [run_model(name, args) for name in args.models.split(",")]
     (args.work / "quant_quality.json").write_text(json.dumps(results, indent=1))
     text = "\n".join(line for r in results for line in markdown(r))

@@ -314,3 +314,17 @@ def test_cli_refuses_bad_directories(untied, tmp_path, capsys) -> None:
     for args, message in cases:
         code, _, err = cli([*args, "--bits", "4"], capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
+    """MatMulNBits runs many times slower on unpacked weights: a quantized export pre-packs its prefill
+    layers too (the fp32 export reads them in place and releases them after each run)."""
+    from edgellm.runtime import Generator
+
+    _, src = tied
+    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
+    for directory, packed in ((src, False), (q, True)):
+        where = Generator.open(directory, threads=1).engine.placement
+        for name, place in where.items():
+            if name.startswith("layer_") and name.endswith(".prefill"):
+                assert place.prepack == packed and (place.release == ()) == packed, (directory.name, name)

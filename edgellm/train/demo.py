@@ -1,4 +1,4 @@
-"""The demo's training stage: generated stories -> byte-level BPE -> a small llama2-preset model, in a budget.
+"""The demo's training stage: generated stories -> byte-level BPE -> a small model, in a budget.
 
 `train_demo(out, budget_s, seed, size)` leaves a native checkpoint in `out` (with tokenizer.json) that
 `edgellm export` reads, and reports the validation loss next to the unigram entropy of the validation
@@ -29,17 +29,23 @@ from .corpus import generate_corpus, story
 from .data import build_token_file, file_sha256
 from .loop import TrainConfig, TrainResult, train
 
-# size -> corpus, tokenizer, model and run shape. "small" is the default demo (<= ~3 min on 2 cores);
-# "tiny" is the same pipeline in a few seconds (tests).
+# size -> corpus, tokenizer, architecture preset, model and run shape. "small" is the default demo (<= ~3 min
+# on 2 cores); "tiny" is the same pipeline in a few seconds (tests); "medium" is a ~3.4 M-parameter qwen3-preset
+# model (qk-norm, GQA, tied embeddings) for the quantization benchmark (~8 min: pass budget_s=480).
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(stories=1500, vocab=384, model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=176,
-                                                    max_seq_len=128),
+    "tiny": dict(stories=1500, vocab=384, preset="llama2",
+                 model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=176, max_seq_len=128),
                  train=dict(steps=40, batch_size=8, seq_len=64, lr=3e-3, min_lr=3e-4, warmup=5, eval_every=20,
                             eval_steps=2, save_every=1000)),
-    "small": dict(stories=30000, vocab=768, model=dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=4,
-                                                      hidden_dim=512, max_seq_len=256),
+    "small": dict(stories=30000, vocab=768, preset="llama2",
+                  model=dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=4, hidden_dim=512, max_seq_len=256),
                   train=dict(steps=2000, batch_size=8, seq_len=128, lr=5e-3, min_lr=5e-4, warmup=30,
                              eval_every=200, eval_steps=16, save_every=500)),
+    "medium": dict(stories=50000, vocab=1024, preset="qwen3",
+                   model=dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=768,
+                              max_seq_len=256),
+                   train=dict(steps=4000, batch_size=8, seq_len=128, lr=3e-3, min_lr=3e-4, warmup=50,
+                              eval_every=250, eval_steps=16, save_every=1000)),
 }
 PROMPT_SENTENCES = 3  # the sample continues the first sentences of a story the model never saw
 
@@ -72,7 +78,7 @@ def train_demo(out: Path, budget_s: float = 170.0, seed: int = 0, size: str = "s
     tok_path = out / "tokenizer.json"
     tok = train_bpe([corpus], spec["vocab"], tok_path)
     data = build_token_file([corpus], out / DATA_DIR / "tokens.bin", tok.vocab_size, tok, file_sha256(tok_path))
-    model_cfg = ModelConfig.preset_config("llama2", vocab_size=tok.vocab_size, bos_id=tok.bos_id,
+    model_cfg = ModelConfig.preset_config(spec["preset"], vocab_size=tok.vocab_size, bos_id=tok.bos_id,
                                           eos_id=tok.eos_id, **spec["model"])
 
     def left() -> float:  # seconds left for training; 5 s are kept for the sample
