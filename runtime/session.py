@@ -44,7 +44,8 @@ class SessionConfig:
 
     threads: int | None = None       # intra-op threads per session; None => onnxruntime's default
     shared_pool: bool = False        # one process-wide thread pool for all sessions (see threadpool.py)
-    prepack_prefill: bool = False    # pre-pack the prefill graphs' weights: faster prefill, +1 copy in RAM
+    # pre-pack the prefill graphs' weights (faster prefill, +1 copy in RAM); None: quantized graphs only
+    prepack_prefill: bool | None = None
     spinning: bool = False           # let idle pool threads spin (faster only when nothing else runs)
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
     optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
@@ -54,6 +55,8 @@ class SessionConfig:
         # times over (a fuzzed --threads 100000 loaded the machine for minutes)
         need(self.threads is None or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
              f"--threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
+        need(self.prepack_prefill in (None, True, False),
+             f"prepack_prefill: expected true, false or null, got {self.prepack_prefill!r}")
         need(self.optimization in _LEVELS,
              f"graph optimisation: expected one of {', '.join(_LEVELS)}, got {self.optimization!r}")
 

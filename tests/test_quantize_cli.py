@@ -320,11 +320,13 @@ def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
     """MatMulNBits runs many times slower on unpacked weights: a quantized export pre-packs its prefill
     layers too (the fp32 export reads them in place and releases them after each run)."""
     from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
 
     _, src = tied
     q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
-    for directory, packed in ((src, False), (q, True)):
-        where = Generator.open(directory, threads=1).engine.placement
+    # (export, --prefill-weights as SessionConfig.prepack_prefill, whether prefill layers pre-pack)
+    for directory, choice, packed in ((src, None, False), (q, None, True), (q, False, False), (src, True, True)):
+        where = Generator.open(directory, config=SessionConfig(threads=1, prepack_prefill=choice)).engine.placement
         for name, place in where.items():
             if name.startswith("layer_") and name.endswith(".prefill"):
                 assert place.prepack == packed and (place.release == ()) == packed, (directory.name, name)

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .run import add_pool_flag, shared_pool
+from .run import PREFILL_WEIGHTS, add_pool_flag, add_prefill_weights_flag, shared_pool
 
 JSON_SCHEMA = "edgellm-bench"
 JSON_VERSION = 1
@@ -31,8 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", help="comma-separated prompt lengths (default: 64 and a long one)")
     p.add_argument("--vs-torch", type=Path, metavar="CHECKPOINT",
                    help="also run this checkpoint's PyTorch model and print the ratios")
-    p.add_argument("--prepack-prefill", action="store_true",
-                   help="pre-pack the prefill graphs' weights (faster prefill, one more weight copy in RAM)")
+    add_prefill_weights_flag(p)
     p.add_argument("--max-other-load", type=float, default=3.0, metavar="PCT",
                    help="repeat a timed run (up to 5 times) while other processes use more than PCT%% of the "
                         "CPUs (default 3)")
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     need(args.runs >= 1, f"--runs: expected an integer >= 1, got {args.runs}")
     need(args.new_tokens >= 2, f"--new-tokens: expected an integer >= 2, got {args.new_tokens}")
     need(args.vs_torch is None or args.vs_torch.exists(), f"--vs-torch: {args.vs_torch} not found")
-    config = SessionConfig(threads=args.threads, prepack_prefill=args.prepack_prefill,
+    config = SessionConfig(threads=args.threads, prepack_prefill=PREFILL_WEIGHTS[args.prefill_weights],
                            shared_pool=shared_pool(args.thread_pool, "bench"))
     config.validate()
     gen = Generator.open(args.directory, config=config)

@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--truncate", action="store_true",
                    help="a prompt longer than the context keeps its last tokens instead of failing")
     add_pool_flag(p, "run")
+    add_prefill_weights_flag(p)
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the sha256 check of the export's files (sizes are still checked)")
     p.set_defaults(func=run)
@@ -55,6 +56,16 @@ def add_pool_flag(p: argparse.ArgumentParser, verb: str) -> None:
                    help="shared: one onnxruntime thread pool for all graphs (much faster decoding, but "
                         "process-wide: every other onnxruntime session in the process must then use it); "
                         f"auto (default): shared when this process was started as `edgellm {verb}`")
+
+
+PREFILL_WEIGHTS = {"auto": None, "packed": True, "mapped": False}  # -> SessionConfig.prepack_prefill
+
+
+def add_prefill_weights_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-weights", choices=tuple(PREFILL_WEIGHTS), default="auto",
+                   help="packed: the prefill graphs pre-pack their weights (fast prefill, a second packed copy in "
+                        "RAM); mapped: they read the mapped file in place (lowest RSS, slower prefill); auto "
+                        "(default): packed for quantized exports, whose kernels are many times slower unpacked")
 
 
 def shared_pool(choice: str, verb: str) -> bool:
@@ -112,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.runtime.session import SessionConfig
 
     given, stop = _params(args)
-    config = SessionConfig(threads=args.threads, shared_pool=shared_pool(args.thread_pool, "run"))
+    config = SessionConfig(threads=args.threads, shared_pool=shared_pool(args.thread_pool, "run"),
+                           prepack_prefill=PREFILL_WEIGHTS[args.prefill_weights])
     config.validate()
     if args.interactive:
         need(args.prompt is None and args.prompt_ids is None,
