@@ -75,8 +75,8 @@ def checkpoint(name: str, work: Path, demo_checkpoint: Path | None) -> Path:
 def export(ckpt: Path, out: Path) -> Path:
     if not (out / "manifest.json").is_file():
         loaded = load_checkpoint(ckpt)
-        export_model(loaded.model, out, ExportOptions(max_seq=MAX_SEQ, prefill_chunk=32), loaded.tokenizer_path,
-                     progress=False, log=lambda _: None)
+        options = ExportOptions(max_seq=MAX_SEQ, prefill_chunk=32)
+        export_model(loaded.model, out, options, loaded.tokenizer_path, progress=False, log=lambda _: None)
     return out
 
 

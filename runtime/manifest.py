@@ -76,7 +76,7 @@ class Manifest:
     sampler: dict = field(default_factory=dict)  # SamplingParams fields (defaults for `edgellm run`)
     quantization: dict | None = None             # None for fp32
     export_options: dict = field(default_factory=dict)
-    verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| vs PyTorch
+    verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| / max(1, |ref|) vs PyTorch
 
     def __post_init__(self) -> None:
         self.validate()

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "standard: plain ONNX ops only, for toolchains without com.microsoft ops "
                              "(granularity model is always standard)")
     parser.add_argument("--atol", type=float, default=1e-4,
-                        help="max |onnxruntime - PyTorch| allowed on any output (default 1e-4)")
+                        help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
+                             "max(1, max |PyTorch|) (default 1e-4)")
     parser.add_argument("--opset", type=int, default=20, help="ONNX opset, 18..21 (default 20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
