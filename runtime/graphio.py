@@ -9,12 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import need
+from .jsoncheck import is_int
 
 MAX_LAYERS = 1024  # sanity bound: a corrupt n_layers must not make validation build billions of names
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dim
 
     def size(key: str) -> int:
         need(key in config, f"config: missing key {key!r}")
-        need(_is_int(config[key]) and config[key] > 0, f"config.{key}: expected a positive integer")
+        need(is_int(config[key]) and config[key] > 0, f"config.{key}: expected a positive integer")
         return config[key]
 
     need(size("n_layers") <= MAX_LAYERS, f"config.n_layers: expected <= {MAX_LAYERS}")

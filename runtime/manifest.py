@@ -15,15 +15,15 @@ checks every graph against it, so a mismatch fails at load time with the key at 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .errors import EdgeError, need
 from .fileio import atomic_write_text, safe_join, sha256_file
 from .graphio import KV_LAYOUTS, Dims, TensorSpec, dims_from_config, graph_io
+from .jsoncheck import check_type, is_int, json_type
+from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
@@ -250,10 +250,6 @@ def _no_constant(name: str) -> None:
     raise EdgeError(f"{name} is not allowed in manifest.json")
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 # JSON schemas, key -> JSON type ("?": may be null). Keys are exact: a missing or unknown key is an error.
 # The keys are the dataclass field names, so a checked object is passed on with **.
 _TENSOR = {"name": "string", "shape": "array", "dtype": "string"}
@@ -265,63 +261,34 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
         "eos_id": "integer?", "sampler": "object", "quantization": "object?", "export_options": "object",
         "verification": "object"}
-_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "object": dict, "array": list}
-
-
-def _json_type(x: object) -> str:
-    if x is None or isinstance(x, bool):
-        return "null" if x is None else "boolean"
-    return next((k for k, t in _JSON_TYPES.items() if isinstance(x, t)), type(x).__name__)
-
-
-def _check_type(value: object, kind: str, where: str) -> None:
-    if value is None and kind.endswith("?"):
-        return
-    ok = isinstance(value, _JSON_TYPES[kind.rstrip("?")]) and not isinstance(value, bool)
-    ok = ok and (kind != "number" or math.isfinite(value))
-    need(ok, f"{where}: expected {kind.rstrip('?')}{' or null' if kind.endswith('?') else ''}, "
-             f"got {_json_type(value)}")
-
-
-def _fields(value: object, schema: dict[str, str], where: str) -> dict[str, Any]:
-    need(isinstance(value, dict), f"{where or 'manifest'}: expected an object, got {_json_type(value)}")
-    missing = [k for k in schema if k not in value]
-    need(not missing, f"{where or 'manifest'}: missing key(s) {missing}")
-    unknown = sorted(set(value) - set(schema))
-    need(not unknown, f"{where or 'manifest'}: unknown key(s) {unknown}")
-    for key, kind in schema.items():
-        _check_type(value[key], kind, f"{where}.{key}" if where else key)
-    return value
-
-
 def _tensor(value: object, where: str) -> TensorSpec:
-    t = _fields(value, _TENSOR, where)
+    t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
-        need(_is_int(n) and n >= 1, f"{where}.shape[{i}]: expected a positive integer, got {n!r}")
+        need(is_int(n) and n >= 1, f"{where}.shape[{i}]: expected a positive integer, got {n!r}")
     return TensorSpec(t["name"], tuple(t["shape"]), t["dtype"])
 
 
 def _graph(value: object, where: str) -> GraphSpec:
-    g = _fields(value, _GRAPH, where)
+    g = checked(value, _GRAPH, where)
     io = {side: tuple(_tensor(t, f"{where}.{side}[{i}]") for i, t in enumerate(g[side]))
           for side in ("inputs", "outputs")}
     return GraphSpec(**{**g, **io})
 
 
 def _parse(doc: object) -> Manifest:
-    need(isinstance(doc, dict), f"expected a JSON object, got {_json_type(doc)}")
+    need(isinstance(doc, dict), f"expected a JSON object, got {json_type(doc)}")
     # format and version first: another version may have other keys, and must get this message
     need(doc.get("format") == FORMAT, f"format: expected {FORMAT!r}, got {doc.get('format')!r}")
     version = doc.get("format_version")
-    need(_is_int(version), f"format_version: expected an integer, got {version!r}")
+    need(is_int(version), f"format_version: expected an integer, got {version!r}")
     need(version in READS, f"format_version {version} is not supported (this edgellm reads "
                            f"{', '.join(map(str, READS))})")
     if version == 1 and isinstance(doc.get("granularity"), str):
         doc = {**doc, "kv_layout": "rows"}  # version 1 had one layout, and no key for it
-    d = _fields(doc, _TOP, "")
+    d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
-        _check_type(diff, "number", f"verification[{name!r}]")
+        check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
     fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
-    fields["files"] = {rel: FileSpec(**_fields(f, _FILE, f"files[{rel!r}]")) for rel, f in d["files"].items()}
+    fields["files"] = {rel: FileSpec(**checked(f, _FILE, f"files[{rel!r}]")) for rel, f in d["files"].items()}
     return Manifest(**fields)
