@@ -74,6 +74,26 @@ def test_chunked_prefill_logits_match_pytorch(llama, n):
     assert not gen.cache.keys[0][:, :, end:].any()
 
 
+def test_a_chunk_that_would_run_past_the_cache_goes_token_by_token(tmp_path):
+    """max_seq 20, chunk 8, an "inplace" export: a 19-token prompt's third chunk (16 + 8 > 20) would make
+    GroupQueryAttention write padding rows past the cache, so those 3 tokens take the S = 1 graphs; the logits
+    still match PyTorch and the cache holds exactly the prompt."""
+    from edgellm.export import ExportOptions, export_model
+    from tests.export_helpers import tiny_model
+
+    model = tiny_model("llama2", seed=3)
+    export_model(model, tmp_path / "x", ExportOptions(max_seq=20, prefill_chunk=8), progress=False,
+                 log=lambda _: None)
+    gen = Generator.open(tmp_path / "x", threads=1)
+    assert gen.manifest.kv_layout == "inplace"
+    ids = prompt(19, model.cfg.vocab_size, seed=5)
+    got = gen.engine.forward(ids).copy()
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0][0, -1].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert gen.cache.length == 19 and not gen.cache.keys[0][:, :, 19:].any()
+
+
 def test_full_context_finishes_with_length(llama):
     gen, model = llama
     ids = prompt(MAX_SEQ - 4, model.cfg.vocab_size)
