@@ -10,7 +10,7 @@ from edgellm.runtime.errors import need
 
 GRANULARITIES = ("layer", "model")
 ATTENTIONS = ("fused", "standard")
-# The dynamo exporter emits opset 18+; onnxruntime 1.20 (the oldest the board install allows) runs up to 21.
+# The dynamo exporter emits opset 18+; onnxruntime 1.22 (the oldest the board install allows) runs up to 21.
 OPSETS = range(18, 22)
 
 

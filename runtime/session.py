@@ -154,7 +154,10 @@ def open_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSessio
             return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as err:  # onnxruntime raises its own exception types, all Exceptions
         message = " ".join(str(err).split())
-        raise EdgeError(f"{path}: onnxruntime cannot load this graph ({message[:300]})") from None
+        hint = ""
+        if "MatMulNBits" in message and "Only 4b" in message:  # onnxruntime < 1.22 has 4-bit MatMulNBits only
+            hint = f"; int8 `fast` exports need onnxruntime >= 1.22, this is {ort.__version__}"
+        raise EdgeError(f"{path}: onnxruntime cannot load this graph ({message[:300]}){hint}") from None
 
 
 class RunClock:
