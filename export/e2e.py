@@ -19,7 +19,7 @@ import torch
 
 from edgellm.model import Decoder
 from edgellm.runtime.graphio import Dims, graph_paths
-from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
+from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 
 from .verify import max_abs_diff, session
 
@@ -51,15 +51,8 @@ def e2e_lengths(max_seq: int, chunk: int) -> tuple[int, int]:
 def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, tokens: np.ndarray,
                 prompt: int) -> np.ndarray:
     """Logits [T, V] for `tokens` [T]: the first `prompt` in chunks of `chunk`, the rest one at a time."""
-    # calls: (first token, real tokens, graph S); the last prefill chunk is padded with token 0, unless an
-    # inplace graph would then write past the cache's end (its tokens then go one at a time, as in the runtime)
-    calls = []
-    for s in range(0, prompt, chunk):
-        count = min(chunk, prompt - s)
-        if dims.kv_layout == "inplace" and s + chunk > dims.max_seq:
-            calls += [(t, 1, 1) for t in range(s, s + count)]
-        else:
-            calls.append((s, count, chunk))
+    # calls: (first token, real tokens, graph S), the runtime's plan: the last prefill chunk padded with token 0
+    calls = plan_calls(prompt, chunk, 0, dims.max_seq, dims.kv_layout)
     calls += [(t, 1, 1) for t in range(prompt, len(tokens))]
     ids = []
     for start, count, seq in calls:
@@ -88,7 +81,7 @@ def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, token
             hidden[c], k, v = runner.run(f"layer_{i}", seq, {
                 "hidden": hidden[c], **step_feeds(layout, start, seq, dims.max_seq),
                 f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
-            cache.write(i, new_rows(layout, k, start), new_rows(layout, v, start), count)
+            cache.write_present(i, layout, k, v, count)
             cache.advance(count)
     return np.concatenate([runner.run("head", seq, {"hidden": h})[0][0, :count]
                            for (_, count, seq), h in zip(calls, hidden, strict=True)])

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
+from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import SessionConfig, session_options
 
@@ -80,7 +80,7 @@ class ExportRunner:
         need(0 < len(tokens) <= m.max_seq, f"runner: {len(tokens)} tokens do not fit max_seq {m.max_seq}")
         cache.reset()
         rows = []
-        for start, count, seq in self._calls(len(tokens)):
+        for start, count, seq in plan_calls(len(tokens), self.seq, 0, m.max_seq, m.kv_layout):
             chunk = np.zeros((1, seq), np.int64)
             chunk[0, :count] = tokens[start:start + count]
             common = step_feeds(m.kv_layout, cache.length, seq, m.max_seq)
@@ -96,8 +96,7 @@ class ExportRunner:
                 for i in range(m.n_layers):
                     out = self._run(("layer", i, seq), {"hidden": hidden, **common, f"past_key.{i}": cache.keys[i],
                                                         f"past_value.{i}": cache.values[i]}, count)
-                    cache.write(i, new_rows(m.kv_layout, out[f"present_key.{i}"], start),
-                                new_rows(m.kv_layout, out[f"present_value.{i}"], start), count)
+                    cache.write_present(i, m.kv_layout, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
                     hidden = out["hidden_out"]
                 out = self._run(("head", None, seq), {"hidden": hidden}, count)
             cache.advance(count)
@@ -105,20 +104,8 @@ class ExportRunner:
             rows.append(out["logits"][0, :count])
         return np.concatenate(rows)
 
-    def _calls(self, n: int) -> list[tuple[int, int, int]]:
-        """(start, real tokens, graph S) per call: chunks of S = prefill_chunk, the last one padded - unless an
-        inplace graph would then write past the cache's end: those tokens go one at a time (S = 1 graphs)."""
-        m, calls = self.manifest, []
-        for start in range(0, n, self.seq):
-            count = min(self.seq, n - start)
-            if m.kv_layout == "inplace" and start + self.seq > m.max_seq:
-                calls += [(t, 1, 1) for t in range(start, start + count)]
-            else:
-                calls.append((start, count, self.seq))
-        return calls
-
     def _run(self, key: tuple[str, int | None, int], feeds: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
-        if key not in self.graphs:  # an S = 1 graph, opened the first time a context's tail needs it
+        if key not in self.graphs:  # an S = 1 graph, opened the first time the call plan needs it
             spec = self.manifest.graph(key[0], key[2], key[1])
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]

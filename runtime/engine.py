@@ -12,7 +12,7 @@ layer graphs) each layer's present_* is bound to its cache buffers themselves: t
 Prefill runs the prompt in chunks of S = prefill_chunk; the last chunk is padded with token 0 and only its
 real rows are written to the cache (padding comes after the real tokens, so the causal mask keeps it out
 of every real row). A 1-token remainder uses the S = 1 graphs instead; so does an inplace chunk whose padding
-would run past the end of the cache (the graph writes all S rows). With layer granularity the head runs
+would run past the end of the cache (the graph writes all S rows): `kvcache.plan_calls`. With layer granularity the head runs
 once per prompt, on the last real row only, through its S = 1 graph: the prefill head's [S, V] logits
 would be thrown away but for one row.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import EdgeError
 from .fileio import safe_join
-from .kvcache import KVCache
+from .kvcache import KVCache, plan_calls
 from .manifest import Manifest
 from .placement import plan
 from .session import (
@@ -55,6 +55,7 @@ class _Variant:
         self.hidden_out: np.ndarray | None = None  # the last layer's output (layer granularity)
         self.body: list[BoundGraph] = []  # what a chunk runs: embed + layers (the head runs once, last), or model
         self.release: list[tuple[str, ...]] = []  # per body graph: data files to release after its run
+        self.releases = False  # whether any body graph releases anything (decided once, not per step)
 
     def add_present(self, n: int, manifest: Manifest) -> None:
         shape = (1, manifest.n_kv_heads, self.seq, manifest.head_dim)
@@ -72,7 +73,6 @@ class Engine:
         self.config = config
         self.layered = manifest.granularity == "layer"
         self.in_place = manifest.kv_layout == "inplace"
-        self.n_layers = manifest.n_layers  # a property that re-reads the config: not for the hot path
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
         self.total_len = np.zeros((), np.int32)
@@ -107,6 +107,7 @@ class Engine:
             session, name = self._session("model", seq)
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
             v.body, v.release = list(v.graphs), [self.placement[name].release]
+            v.releases = any(v.release)
             return v
         if not self.in_place:
             v.add_present(m.n_layers, m)
@@ -127,6 +128,7 @@ class Engine:
         v.hidden_out = hidden[m.n_layers % 2]
         v.body = list(v.graphs)
         v.release = [self.placement[g.where].release for g in v.body]
+        v.releases = any(v.release)
         if seq == 1:  # the head runs only at S = 1 (see the module docstring)
             v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
             session, name = self._session("head", 1)
@@ -144,14 +146,10 @@ class Engine:
         if n == 1:
             self._run_chunk(self.decode, tokens, 1)
             return self._logits(self.decode, 1)
-        start = 0
-        while start < n:
-            count = min(self.chunk, n - start)
-            if self.in_place and self.cache.length + self.chunk > self.cache.max_seq:
-                count = 1  # a padded chunk would write past the cache's end
-            variant = self.decode if count == 1 else self.prefill
+        cache = self.cache
+        for start, count, seq in plan_calls(n, self.chunk, cache.length, cache.max_seq, self.manifest.kv_layout):
+            variant = self.decode if seq == 1 else self.prefill
             self._run_chunk(variant, tokens[start:start + count], count)
-            start += count
         return self._logits(variant, count)
 
     def _run_chunk(self, v: _Variant, tokens: Sequence[int] | np.ndarray, count: int) -> None:
@@ -163,12 +161,13 @@ class Engine:
         if self.in_place:
             self.seqlens_k[0] = length + v.seq - 1
             self.total_len[()] = length + v.seq
-        elif v.seq == 1:
-            v.positions[0, 0] = length
-        else:  # padded rows get valid positions too (clamped): their values are never used
-            np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
-        self.past_len[0] = length
-        if any(v.release):
+        else:
+            self.past_len[0] = length
+            if v.seq == 1:
+                v.positions[0, 0] = length
+            else:  # padded rows get valid positions too (clamped): their values are never used
+                np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
+        if v.releases:
             for graph, release in zip(v.body, v.release, strict=True):
                 graph.run()
                 if release:  # a prefill graph's unpacked weights: out of RSS until its next run

@@ -11,14 +11,14 @@ That is the "rows" layout. In the "inplace" layout (fused layer graphs, export/f
 `seqlens_k` / `total_len` instead of positions and `past_len`, and its `present_*` is the whole cache with rows
 [past_len, past_len + S) written: bound to the same buffer as `past_*` (the runtime does), the graph writes
 exactly the rows `write_rows` would, in place; run with separate buffers (the diff, the export checks),
-`new_rows` takes those rows out so they enter the caller's cache through `write_rows` again.
+`KVCache.write_present` takes those rows out so they enter the caller's cache through `write_rows` again.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .errors import EdgeError, need
+from .errors import EdgeError
 
 
 def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
@@ -46,10 +46,21 @@ def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, 
     return {"positions": positions, "past_len": np.array([start], np.int64)}
 
 
-def new_rows(kv_layout: str, present: np.ndarray, start: int) -> np.ndarray:
-    """The graph's new rows [1, n_kv, S, hd]: its `present_*` output itself (rows), or rows start.. of the
-    whole cache it returned (inplace; S is then the caller's, so all max_seq - start rows come back)."""
-    return present if kv_layout == "rows" else present[:, :, start:, :]
+def plan_calls(n: int, chunk: int, past: int, max_seq: int, kv_layout: str) -> list[tuple[int, int, int]]:
+    """(offset into the tokens, real tokens, graph S) of each graph call that feeds `n` tokens after `past`
+    filled rows: chunks of S = `chunk`, the last one padded; a lone token runs through the S = 1 graphs; and in
+    the inplace layout, whose graphs write all S rows, a padded chunk that would end past `max_seq` goes token
+    by token instead. The runtime's plan; everything that replays it (diff, quantize, export checks) uses it."""
+    calls, i = [], 0
+    while i < n:
+        count = min(chunk, n - i)
+        if count == 1 or (kv_layout == "inplace" and past + i + chunk > max_seq):
+            calls.append((i, 1, 1))
+            i += 1
+        else:
+            calls.append((i, count, chunk))
+            i += count
+    return calls
 
 
 class KVCache:
@@ -77,8 +88,17 @@ class KVCache:
         write_rows(self.keys[layer], key_rows, self.length, count)
         write_rows(self.values[layer], value_rows, self.length, count)
 
+    def write_present(self, layer: int, kv_layout: str, key_out: np.ndarray, value_out: np.ndarray,
+                      count: int) -> None:
+        """`write` from a graph's present_* outputs run with separate buffers: the S new rows themselves (rows),
+        or the whole cache the graph returned, whose rows from the current length on are the new ones (inplace)."""
+        if kv_layout == "inplace":
+            key_out, value_out = key_out[:, :, self.length:, :], value_out[:, :, self.length:, :]
+        self.write(layer, key_out, value_out, count)
+
     def advance(self, count: int) -> None:
-        need(self.length + count <= self.max_seq, f"KV cache overflow: {self.length}+{count} > {self.max_seq}")
+        if self.length + count > self.max_seq:  # not need(): its message would be built on every step
+            raise EdgeError(f"KV cache overflow: {self.length}+{count} > {self.max_seq}")
         self.length += count
 
     def reset(self) -> None:

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import torch
 
 from edgellm.model import Decoder, ModelConfig
-from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
+from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 from edgellm.runtime.manifest import read_manifest
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=256)
@@ -70,7 +70,7 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
             hidden, k, v = sess[f"layer_{i}.{kind}"].run(
                 ["hidden_out", f"present_key.{i}", f"present_value.{i}"],
                 {"hidden": hidden, **position, f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
-            cache.write(i, new_rows(layout, k, start), new_rows(layout, v, start), n)
+            cache.write_present(i, layout, k, v, n)
         logits = sess[f"head.{kind}"].run(["logits"], {"hidden": hidden})[0]
     cache.advance(n)
     return logits[0, :n]
@@ -88,12 +88,8 @@ def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0,
     sess = _sessions(directory, m.graphs, opts)
     cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
     chunk = m.prefill_chunk
-    rows = []
-    for i in range(0, len(tokens), chunk):
-        if m.kv_layout == "inplace" and i + chunk > m.max_seq:  # padding would write past the end (as Engine)
-            rows += [_step(sess, m, cache, [t], 1) for t in tokens[i:i + chunk]]
-        else:
-            rows.append(_step(sess, m, cache, tokens[i:i + chunk], chunk))
+    rows = [_step(sess, m, cache, tokens[i:i + count], seq)
+            for i, count, seq in plan_calls(len(tokens), chunk, 0, m.max_seq, m.kv_layout)]
     generated: list[int] = []
     for _ in range(steps):
         generated.append(int(np.argmax(rows[-1][-1])))

@@ -21,13 +21,13 @@ import onnxruntime as ort
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.generator import Generator
-from edgellm.runtime.kvcache import KVCache, new_rows, step_feeds
+from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
 from edgellm.runtime.sampling import SamplingParams, StopParams
 from edgellm.runtime.session import SessionConfig, SharedWeights, open_placed
 
-from .trace import Trace, chunk_plan, join_rows
+from .trace import Trace, join_rows
 
 
 class ExportRunner:
@@ -65,21 +65,14 @@ class ExportRunner:
         names = [t.name for t in spec.outputs]
         return dict(zip(names, self._session(spec).run(names, feeds), strict=True))
 
-    def step(self, cache: KVCache, ids: list[int], capture: dict[str, list] | None = None) -> np.ndarray:
-        """Run `ids` (one chunk) through the prefill graphs at the cache's length, padded to S; write their K/V
-        rows, return logits [len(ids), V]. `capture` collects per-layer rows when given. An inplace chunk
-        whose padding would run past the cache's end goes through the S = 1 graphs (as the runtime does)."""
-        m = self.manifest
-        seq = m.prefill_chunk
-        if len(ids) > seq:
-            raise EdgeError(f"internal: chunk of {len(ids)} tokens exceeds the graph's S={seq}")
-        if m.kv_layout == "inplace" and cache.length + seq > m.max_seq:
-            return np.concatenate([self._step(cache, [t], 1, capture) for t in ids])
-        return self._step(cache, ids, seq, capture)
-
-    def _step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None) -> np.ndarray:
+    def step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None = None) -> np.ndarray:
+        """Run `ids` through the S = `seq` graphs at the cache's length, padded to S (one call of
+        `kvcache.plan_calls`); write their K/V rows, return logits [len(ids), V]. `capture` collects per-layer
+        rows when given."""
         m = self.manifest
         count = len(ids)
+        if count > seq:
+            raise EdgeError(f"internal: chunk of {count} tokens exceeds the graph's S={seq}")
         tokens = np.zeros((1, seq), np.int64)
         tokens[0, :count] = ids  # padding: token 0, computed but never written to the cache
         start = cache.length
@@ -90,7 +83,7 @@ class ExportRunner:
                 feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
             out = self._run("model", seq, None, feeds)
             for i in range(m.n_layers):
-                self._write(cache, i, out, start, count, capture)
+                self._write(cache, i, out, count, capture)
             logits = out["logits"]
         else:
             hidden = self._run("embed", seq, None, {"tokens": tokens})["hidden"]
@@ -100,22 +93,20 @@ class ExportRunner:
                 out = self._run("layer", seq, i, {"hidden": hidden, **position,
                                                   f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
                 hidden = out["hidden_out"]
-                self._write(cache, i, out, start, count, capture)
+                self._write(cache, i, out, count, capture)
                 if capture is not None:
                     capture["hidden"][i].append(hidden[0, :count].copy())
             logits = self._run("head", seq, None, {"hidden": hidden})["logits"]
         cache.advance(count)
         return logits[0, :count]
 
-    def _write(self, cache: KVCache, i: int, out: dict[str, np.ndarray], start: int, count: int,
+    def _write(self, cache: KVCache, i: int, out: dict[str, np.ndarray], count: int,
                capture: dict[str, list] | None) -> None:
-        layout = self.manifest.kv_layout
-        k_rows = new_rows(layout, out[f"present_key.{i}"], start)  # [1, n_kv, >= count, hd]
-        v_rows = new_rows(layout, out[f"present_value.{i}"], start)
-        cache.write(i, k_rows, v_rows, count)
-        if capture is not None:
-            capture["keys"][i].append(k_rows[0, :, :count].copy())
-            capture["values"][i].append(v_rows[0, :, :count].copy())
+        start = cache.length
+        cache.write_present(i, self.manifest.kv_layout, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
+        if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd]
+            capture["keys"][i].append(cache.keys[i][0, :, start:start + count].copy())
+            capture["values"][i].append(cache.values[i][0, :, start:start + count].copy())
 
 
 def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:
@@ -125,7 +116,8 @@ def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:
     capture: dict[str, list] = {"embed": [], "hidden": [[] for _ in range(m.n_layers)],
                                 "keys": [[] for _ in range(m.n_layers)], "values": [[] for _ in range(m.n_layers)]}
     cache = runner.new_cache()
-    logits = [runner.step(cache, tokens[s:s + c], capture) for s, c in chunk_plan(len(tokens), m.prefill_chunk)]
+    calls = plan_calls(len(tokens), m.prefill_chunk, 0, m.max_seq, m.kv_layout)
+    logits = [runner.step(cache, tokens[s:s + c], seq, capture) for s, c, seq in calls]
     return Trace(
         logits=join_rows(logits, 0),
         embed=join_rows(capture["embed"], 0) if layered else None,

@@ -13,9 +13,9 @@ import torch
 
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
-from edgellm.runtime.kvcache import KVCache
+from edgellm.runtime.kvcache import KVCache, plan_calls
 
-from .trace import Trace, chunk_plan, join_rows
+from .trace import Trace, join_rows
 
 
 def new_cache(model: Decoder, max_seq: int) -> KVCache:
@@ -53,7 +53,9 @@ def torch_trace(model: Decoder, tokens: list[int], chunk: int, max_seq: int) -> 
     capture: dict[str, list] = {"embed": [], "hidden": [[] for _ in range(n_layers)],
                                 "keys": [[] for _ in range(n_layers)], "values": [[] for _ in range(n_layers)]}
     cache = new_cache(model, max_seq)
-    logits = [_step(model, cache, tokens[s:s + c], capture) for s, c in chunk_plan(len(tokens), chunk)]
+    # the runtime's chunk plan (PyTorch writes only real rows, so the "rows" layout's)
+    calls = plan_calls(len(tokens), chunk, 0, max_seq, "rows")
+    logits = [_step(model, cache, tokens[s:s + c], capture) for s, c, _ in calls]
     return Trace(
         logits=join_rows(logits, 0),
         embed=join_rows(capture["embed"], 0),
@@ -71,7 +73,7 @@ def torch_greedy(model: Decoder, prompt: list[int], max_new: int, chunk: int, ma
     """
     cache = new_cache(model, max_seq)
     logits = None
-    for s, c in chunk_plan(len(prompt), chunk):
+    for s, c, _ in plan_calls(len(prompt), chunk, 0, max_seq, "rows"):
         logits = _step(model, cache, prompt[s:s + c], None)
     out: list[int] = []
     while len(out) < max_new:

@@ -18,11 +18,6 @@ class Trace:
     values: list[np.ndarray]            # per layer [n_kv, T, hd]
 
 
-def chunk_plan(n_tokens: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, count) of each prefill chunk: the runtime's rule, full chunks then one shorter last chunk."""
-    return [(start, min(chunk, n_tokens - start)) for start in range(0, n_tokens, chunk)]
-
-
 def join_rows(parts: list[np.ndarray], axis: int) -> np.ndarray:
     """Concatenate per-chunk arrays along the token axis (1 for [n_kv, S, hd], 0 for [S, D])."""
     return np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
