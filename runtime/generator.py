@@ -102,7 +102,8 @@ class Generator:
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id
         self.default_sampling = SamplingParams.from_dict(m.sampler, f"{self.directory}/manifest.json: sampler")
-        self._history: list[int] = []  # every id in the cache, for the repetition penalty
+        # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
+        self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
 
     @classmethod
@@ -155,7 +156,6 @@ class Generator:
     def reset(self) -> None:
         """Forget the context (the buffers stay allocated)."""
         self.cache.reset()
-        self._history.clear()
         self._carry.clear()
 
     def _truncate(self, ids: list[int], truncate: bool, max_new: int) -> list[int]:
@@ -220,10 +220,10 @@ class Generator:
             self._carry = feed  # nothing generated: the prompt waits for the next call
         else:
             logits = self.engine.forward(feed)
-            self._history.extend(feed)
+            self._history[self.cache.length - len(feed):self.cache.length] = feed
             while True:
                 token = _greedy(logits) if plain_greedy else sample(
-                    logits, sampling, rng, np.asarray(self._history) if penalise else ())
+                    logits, sampling, rng, self._history[:self.cache.length] if penalise else ())
                 last = perf_counter()
                 if not new:
                     first, run_at_first = last, self.clock.seconds
@@ -249,7 +249,7 @@ class Generator:
                     break
                 logits = self.engine.forward((token,))
                 self._carry = []
-                self._history.append(token)
+                self._history[self.cache.length - 1] = token
         tail = matcher.feed(decoder.flush()) + matcher.flush() if decoder is not None else ""
         if tail:
             text.append(tail)

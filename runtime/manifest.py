@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from .errors import EdgeError, need
@@ -81,8 +82,9 @@ class Manifest:
     def __post_init__(self) -> None:
         self.validate()
 
-    @property
+    @cached_property
     def dims(self) -> Dims:
+        """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
         return dims_from_config(self.config, self.max_seq, self.kv_layout)
 
     @property
