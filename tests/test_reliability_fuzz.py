@@ -47,6 +47,13 @@ def corrupt(data: bytes, changes: list[tuple[float, int]], cut: float | None, sp
     return bytes(raw if cut is None else raw[: int(cut * len(raw))])
 
 
+def corrupted_copy(source: Path, target: Path, changes: list[tuple[float, int]], cut: float | None,
+                   span: int | None = None) -> Path:
+    """`target` holding `corrupt(source's bytes, ...)`."""
+    target.write_bytes(corrupt(source.read_bytes(), changes, cut, span))
+    return target
+
+
 def clean(call, *args) -> object | None:
     """The call's result, or None after a one-line EdgeError; any other exception fails the example."""
     try:
@@ -96,7 +103,7 @@ def test_fixture_files_are_valid(files):
 @given(changes=edits, cut=st.one_of(st.none(), st.floats(0, 1)))
 def test_fuzzed_checkpoint_marker_bytes(files, changes, cut):
     ck = scratch(files, "marker")
-    (ck / "edgellm.json").write_bytes(corrupt((files["ckpt"] / "edgellm.json").read_bytes(), changes, cut))
+    corrupted_copy(files["ckpt"] / "edgellm.json", ck / "edgellm.json", changes, cut)
     clean(load_checkpoint, ck)
 
 
@@ -131,8 +138,7 @@ def test_fuzzed_safetensors_header(files, changes):
 @FUZZ
 @given(changes=edits, cut=st.one_of(st.none(), st.floats(0, 1)))
 def test_fuzzed_tokenizer_json(files, changes, cut):
-    path = files["work"] / "tokenizer.json"
-    path.write_bytes(corrupt(files["tokenizer.json"].read_bytes(), changes, cut))
+    path = corrupted_copy(files["tokenizer.json"], files["work"] / "tokenizer.json", changes, cut)
     tok = clean(load_tokenizer, path, 259)
     if tok is not None:  # still loadable: it must also work, or fail cleanly, on text and ids
         ids = clean(tok.encode, "héllo wörld 中")
@@ -142,8 +148,7 @@ def test_fuzzed_tokenizer_json(files, changes, cut):
 @FUZZ
 @given(changes=edits, cut=st.one_of(st.none(), st.floats(0, 1)))
 def test_fuzzed_tokenizer_bin(files, changes, cut):
-    path = files["work"] / "fuzz-tokenizer.bin"
-    path.write_bytes(corrupt(files["tokenizer.bin"].read_bytes(), changes, cut))
+    path = corrupted_copy(files["tokenizer.bin"], files["work"] / "fuzz-tokenizer.bin", changes, cut)
     tok = clean(load_tokenizer, path, 261)
     if tok is not None:
         clean(tok.decode, clean(tok.encode, "abc ab\xff") or [1])
@@ -152,18 +157,14 @@ def test_fuzzed_tokenizer_bin(files, changes, cut):
 @FUZZ
 @given(changes=edits, cut=st.one_of(st.none(), st.floats(0, 1)))
 def test_fuzzed_llama2c_header(files, changes, cut):
-    path = files["work"] / "fuzz.bin"
-    path.write_bytes(corrupt(files["model.bin"].read_bytes(), changes, cut, span=28))
-    clean(load_checkpoint, path)
+    clean(load_checkpoint, corrupted_copy(files["model.bin"], files["work"] / "fuzz.bin", changes, cut, span=28))
 
 
 @FUZZ
 @given(changes=edits, cut=st.one_of(st.none(), st.floats(0, 1)))
 def test_fuzzed_onnx_protobuf(files, changes, cut):
     """The runtime's own protobuf reader (the board has no `onnx` package) on corrupted graph files."""
-    path = files["work"] / "fuzz.onnx"
-    path.write_bytes(corrupt(files["onnx"].read_bytes(), changes, cut))
-    clean(read_graph_info, path)
+    clean(read_graph_info, corrupted_copy(files["onnx"], files["work"] / "fuzz.onnx", changes, cut))
 
 
 @pytest.mark.parametrize(("key", "value", "needle"), [
