@@ -5,7 +5,8 @@
 
 Per model: the fp32 export, then every scheme of the grid - int8 per channel, int4 with groups of
 32/64/128 - x method (rtn, mse, awq) x symmetric/asymmetric, each written by `quantize_export` (what
-`edgellm quantize` runs) with the defaults for the rest (int8 lm_head and embeddings, accuracy level 4).
+`edgellm quantize` runs) with the defaults for the rest (lm_head at the linears' bits, int8 embeddings,
+accuracy level 4), plus int4 g32 with `--lm-head int8` ("-head8": the quality the head's precision buys).
 Every variant runs the same held-out tokens through the runtime's prefill graphs (teacher forcing), and
 is compared with the fp32 export: mean KL(fp32 || quant), top-1 agreement, perplexity and its change,
 and the linear weights' size (scales and zero points included) against fp32. Then `edgellm diff` (against
@@ -48,7 +49,8 @@ TRAINED = {"demo": ("small", 170.0), "medium": ("medium", 480.0)}  # model -> tr
 MODELS = ("stories260k", *TRAINED)
 GRID = ([dict(bits=8, group_size=0, symmetric=s, method=m) for s in (True, False) for m in ("rtn", "mse", "awq")]
         + [dict(bits=4, group_size=g, symmetric=s, method=m) for g in (32, 64, 128) for s in (True, False)
-           for m in ("rtn", "mse", "awq")])
+           for m in ("rtn", "mse", "awq")]
+        + [dict(bits=4, group_size=32, symmetric=True, method=m, lm_head="int8") for m in ("rtn", "mse", "awq")])
 
 
 def log(msg: str) -> None:
@@ -119,7 +121,8 @@ def evaluate(directory: Path, sequences: list[list[int]], refs: list[np.ndarray]
 
 def label(c: dict) -> str:
     group = f"g{c['group_size']}" if c["group_size"] else "ch"
-    return f"int{c['bits']}-{group}-{'sym' if c['symmetric'] else 'asym'}-{c['method']}"
+    head = "-head8" if c.get("lm_head") == "int8" and c["bits"] == 4 else ""
+    return f"int{c['bits']}-{group}-{'sym' if c['symmetric'] else 'asym'}-{c['method']}{head}"
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict:

@@ -2,7 +2,8 @@
 
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
-  2. the lm_head                 `--lm-head` int8 (per channel) | int4 (`--group-size`, default 32) | fp32
+  2. the lm_head                 `--lm-head` int8 (per channel) | int4 (`--group-size`, default 32) | fp32;
+                                 default: the linears' bits (int4 with --bits 4, as onnxruntime-genai's int4)
   3. `--int8-layers 0,-1`        every linear of those layers int8 per channel (with `--bits 4`)
   4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
   5. the token embedding         `--embeddings` int8 (per row) | fp32
@@ -41,7 +42,7 @@ class QuantizeOptions:
     format: str = "fast"
     method: str = "rtn"
     embeddings: str = "int8"
-    lm_head: str = "int8"
+    lm_head: str | None = None          # None: int4 for --bits 4, int8 for --bits 8 (see `head`)
     keep: tuple[str, ...] = ()
     int8_layers: tuple[int, ...] = ()
     accuracy_level: int = 4
@@ -58,7 +59,8 @@ class QuantizeOptions:
         need(self.embeddings in EMBEDDINGS,
              f"--embeddings: expected int8 or fp32, got {self.embeddings!r} (int4 embeddings are not supported: "
              "a gathered row is used as is, with no matmul to average its rounding error away)")
-        need(self.lm_head in LM_HEADS, f"--lm-head: expected one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
+        need(self.lm_head is None or self.lm_head in LM_HEADS,
+             f"--lm-head: expected one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
         need(self.accuracy_level in ACCURACY_LEVELS,
              f"--accuracy-level: expected 0, 1 or 4, got {self.accuracy_level!r}")
         need(self.format == "fast" or self.accuracy_level == 4,
@@ -92,10 +94,20 @@ class QuantizeOptions:
         """Per-channel int8: the lm_head, the embedding table (per row) and `--int8-layers`."""
         return self._spec(Scheme(8, 0, self.symmetric))
 
+    @property
+    def head(self) -> str:
+        """The lm_head's precision. By default the linears': the lm_head is the largest single matrix (a fifth
+        of stories110M's weights, a quarter of Qwen2.5-0.5B's) and decode reads all of it every token, so an
+        int8 head in an int4 model costs ~10 % of int4 decode speed (README "Benchmarks"); `--lm-head int8`
+        buys back about half of the int4 model's KL for that (README quality table)."""
+        if self.lm_head is not None:
+            return self.lm_head
+        return "int4" if self.bits == 4 else "int8"
+
     def lm_head_spec(self) -> QuantSpec | None:
-        if self.lm_head == "fp32":
+        if self.head == "fp32":
             return None
-        if self.lm_head == "int8":
+        if self.head == "int8":
             return self.int8_spec()
         return self._spec(Scheme(4, self.group or 32, self.symmetric))
 
@@ -116,7 +128,7 @@ class QuantizeOptions:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["group_size"] = self.group
+        d["group_size"], d["lm_head"] = self.group, self.head
         d["keep"], d["int8_layers"] = list(self.keep), list(self.int8_layers)
         return d
 

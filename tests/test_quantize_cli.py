@@ -77,8 +77,8 @@ def generate(directory: Path, tokens: list[int], steps: int, qdq_level: int | No
 
 
 def dequantized(model: Decoder, bits: int, group: int, symmetric: bool) -> Decoder:
-    """The PyTorch model a quantized export must compute: linears at (bits, group), embedding/lm_head int8
-    per channel (the defaults), every weight replaced by dequantize(quantize(W)) (RTN)."""
+    """The PyTorch model a quantized export with `--lm-head int8` must compute: linears at (bits, group),
+    embedding/lm_head int8 per channel (one table when tied), every weight dequantize(quantize(W)) (RTN)."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -109,7 +109,7 @@ def check_variants(model: Decoder, src: Path, tmp: Path) -> None:
     greedy: dict[tuple, list[int]] = {}
     for bits, group, fmt, sym in VARIANTS:
         exact = quantize(src, tmp / f"{bits}-{group}-{fmt}-exact", bits=bits, group_size=group, format=fmt,
-                         symmetric=sym, accuracy_level=1 if fmt == "fast" else 4)
+                         symmetric=sym, accuracy_level=1 if fmt == "fast" else 4, lm_head="int8")
         got, new = generate(exact, PROMPT, STEPS, qdq_level=1)
         want = torch_logits(dequantized(model, bits, group, sym), PROMPT + new)
         assert np.abs(got - want).max() < 1e-4, (bits, fmt)
@@ -149,7 +149,7 @@ def tree_hash(directory: Path) -> str:
 def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
     _, src = tied
     before = tree_hash(src)
-    out4 = quantize(src, tmp_path / "q4", bits=4, method="awq", calibration_tokens=64)
+    out4 = quantize(src, tmp_path / "q4", bits=4, method="awq", calibration_tokens=64, lm_head="int8")
     out8 = quantize(src, tmp_path / "q8", bits=8)
     assert tree_hash(src) == before                                  # the input export is only read
     fp32, m4, m8 = read_manifest(src), read_manifest(out4), read_manifest(out8)   # sha256 of every file
@@ -211,8 +211,13 @@ def test_mixed_precision_flags_reach_the_graphs(tied, tmp_path) -> None:
     assert w["lm_head.weight"]["bits"] == 4 and w["embed.weight"]["bits"] == 32
     got, _ = generate(out, PROMPT, 0)
     assert quality(got, torch_logits(model, PROMPT))[0] < BOUNDS[4][0]
-    # int4 lm_head + int8 embeddings cannot share: a separate int8 row table in embed.data
-    out = quantize(src, tmp_path / "separate", bits=4, lm_head="int4")
+    # --bits 4's default lm_head is int4 (group 32); int4 lm_head + int8 embeddings cannot share: a separate
+    # int8 row table in embed.data
+    out = quantize(src, tmp_path / "separate", bits=4)
+    assert ops(out / "head.decode.onnx")["MatMulNBits"] == [4]
+    head = read_manifest(out).quantization["weights"]["lm_head.weight"]
+    assert (head["bits"], head["block_size"]) == (4, 32)
+    assert read_manifest(out).quantization["options"]["lm_head"] == "int4"
     assert sorted(ops(out / "embed.decode.onnx")["Gather"]) == [onnx.TensorProto.FLOAT, onnx.TensorProto.UINT8]
     embed = onnx.load(out / "embed.decode.onnx", load_external_data=False)          # codes + row scales
     assert "embed.weight" not in {t.name for t in embed.graph.initializer}
