@@ -3,7 +3,8 @@
 Per unit (head, embed, layer_i | model), both variants: load the graph with its weights, rewrite it
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
-bytes). The plan's memo quantizes each weight once; it is kept from the head into the embedding unit (a
+bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
+(pairing.py; manifest format 3). The plan's memo quantizes each weight once; it is kept from the head into the embedding unit (a
 tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer copied, every file
 hashed, an optional check of the logits against the fp32 export, manifest.json written last, and the
 directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
@@ -24,11 +25,13 @@ from tqdm import tqdm
 from edgellm import __version__
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, safe_join, sha256_file
+from edgellm.runtime.graphio import SELECTOR
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, describe_files, read_manifest
 
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
 from .options import QuantizeOptions, logical_name, unmatched_keeps
+from .pairing import pair_layer
 from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
 from .rewrite import quantize_model
@@ -128,9 +131,10 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
-        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress)
+        paired = options.format == "fast" and manifest.kv_layout == "inplace" and manifest.prefill_chunk > 1
+        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired)
         names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
-        rels = [g.file for g in graphs] + sorted({g.data for g in graphs if g.data})
+        rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data})
         if manifest.tokenizer is not None:
             rel = manifest.tokenizer["file"]
             shutil.copyfile(safe_join(src, rel), tmp / rel)
@@ -151,7 +155,9 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
-                 progress: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
+                 progress: bool, paired: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
+    """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one If graph
+    (pairing.py: one session, one packed copy of the weights at run time)."""
     store = DataStore(tmp)
     graphs: list[GraphSpec] = []
     reports: dict[tuple[str, str], WeightReport] = {}     # (initializer, op) -> first report
@@ -159,6 +165,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
         with tqdm(total=len(manifest.graphs), desc="quantize", unit="graph", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
             for stem, specs in _units(manifest):
+                done: list[tuple[GraphSpec, onnx.ModelProto]] = []
                 for g in specs:
                     bar.set_postfix_str(g.name)
                     model = _load_graph(safe_join(src, g.file), True)
@@ -166,13 +173,20 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                         migrator.apply(model)          # AWQ scales, searched on the first variant
                     found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
                     prune_initializers(model.graph)
-                    data = store.place(model, f"{stem}.data")
-                    (tmp / g.file).write_bytes(model.SerializeToString())
-                    graphs.append(dataclasses.replace(g, data=data))
+                    done.append((dataclasses.replace(g, data=store.place(model, f"{stem}.data")), model))
                     for r in found:
                         reports.setdefault((r.name, "Gather" if r.op == "Gather" else "MatMul"), r)
-                    del model
                     bar.update()
+                if paired and specs[0].role == "layer" and len(done) == 2:
+                    (p, pm), (d, dm) = sorted(done, key=lambda x: -x[0].seq)
+                    (tmp / f"{stem}.onnx").write_bytes(pair_layer(pm, dm).SerializeToString())
+                    done = [(dataclasses.replace(g, file=f"{stem}.onnx", paired=True,
+                                                 inputs=g.inputs + (SELECTOR,)), None) for g in (p, d)]
+                for g, model in done:
+                    if model is not None:
+                        (tmp / g.file).write_bytes(model.SerializeToString())
+                    graphs.append(g)
+                del done
                 if stem != "head":     # the embedding unit after the head may still need its tied table
                     plan.memo.clear()
     finally:

@@ -19,6 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.graphio import selector_feeds
 from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import SessionConfig, session_options
@@ -109,7 +110,8 @@ class ExportRunner:
             spec = self.manifest.graph(key[0], key[2], key[1])
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
-        out = graph.run(feeds)
+        spec = self.manifest.graph(key[0], key[2], key[1])
+        out = graph.run(feeds | selector_feeds(spec.paired, key[2]))
         for weight, act in graph.weights.items():
             x = out[act]
             x = x.reshape(-1, x.shape[-1])

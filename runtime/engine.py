@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import EdgeError
 from .fileio import safe_join
+from .graphio import selector_feeds
 from .kvcache import KVCache, plan_calls
 from .manifest import Manifest
 from .placement import plan
@@ -36,6 +38,9 @@ from .session import (
     SharedWeights,
     open_placed,
 )
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
 
 
 class _Variant:
@@ -79,6 +84,7 @@ class Engine:
         self.weights = SharedWeights(self.directory)
         self.placement = plan(self.directory, manifest, config.prepack_prefill)
         self.chunk = manifest.prefill_chunk
+        self._paired: dict[str, InferenceSession] = {}  # paired graph file -> its one session
         # decode graphs first: if the prefill graphs fail to load, nothing of them stays half-built
         self.decode = self._build(1)
         self.prefill = self._build(self.chunk) if self.chunk > 1 else self.decode
@@ -86,11 +92,16 @@ class Engine:
     # ----------------------------------------------------------------------------------------- building
 
     def _session(self, role: str, seq: int, layer: int | None = None):
-        """A session placed as `placement.plan` says: pre-packed from its own load, or reading the maps."""
+        """A session placed as `placement.plan` says: pre-packed from its own load, or reading the maps. A
+        paired graph's two variants share one session (and one packed copy of the weights)."""
         spec = self.manifest.graph(role, seq, layer)
-        path = safe_join(self.directory, spec.file)
-        session = open_placed(path, spec, self.placement[spec.name], self.config, self.weights)
-        return session, spec.name
+        session = self._paired.get(spec.file) if spec.paired else None
+        if session is None:
+            path = safe_join(self.directory, spec.file)
+            session = open_placed(path, spec, self.placement[spec.name], self.config, self.weights)
+        if spec.paired:
+            self._paired[spec.file] = session
+        return session, spec
 
     def _build(self, seq: int) -> _Variant:
         m = self.manifest
@@ -104,17 +115,17 @@ class Engine:
             for i in range(m.n_layers):
                 inputs[f"past_key.{i}"], inputs[f"past_value.{i}"] = self.cache.keys[i], self.cache.values[i]
                 outputs[f"present_key.{i}"], outputs[f"present_value.{i}"] = v.keys[i], v.values[i]
-            session, name = self._session("model", seq)
-            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
-            v.body, v.release = list(v.graphs), [self.placement[name].release]
+            session, spec = self._session("model", seq)
+            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
+            v.body, v.release = list(v.graphs), [self.placement[spec.name].release]
             v.releases = any(v.release)
             return v
         if not self.in_place:
             v.add_present(m.n_layers, m)
         # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
         hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
-        session, name = self._session("embed", seq)
-        v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, name))
+        session, spec = self._session("embed", seq)
+        v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, spec.name))
         if self.in_place:
             common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
         for i in range(m.n_layers):
@@ -123,16 +134,18 @@ class Engine:
             present = (self.cache.keys[i], self.cache.values[i]) if self.in_place else (v.keys[i], v.values[i])
             outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
                        f"present_value.{i}": present[1]}
-            session, name = self._session("layer", seq, i)
-            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, name))
+            session, spec = self._session("layer", seq, i)
+            inputs |= selector_feeds(spec.paired, seq)
+            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.hidden_out = hidden[m.n_layers % 2]
         v.body = list(v.graphs)
         v.release = [self.placement[g.where].release for g in v.body]
         v.releases = any(v.release)
         if seq == 1:  # the head runs only at S = 1 (see the module docstring)
             v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
-            session, name = self._session("head", 1)
-            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock, name))
+            session, spec = self._session("head", 1)
+            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock,
+                                       spec.name))
         return v
 
     # ------------------------------------------------------------------------------------------ running

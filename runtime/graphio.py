@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import need
 from .jsoncheck import is_int
 
@@ -53,6 +55,16 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dim
     return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq, kv_layout)
 
 
+# A paired graph file holds both variants of one layer as the two branches of an `If` on this input (true:
+# the S = 1 branch), so one session, and one pre-packed copy of the weights, serves prefill and decode.
+SELECTOR = TensorSpec("decode", (), "bool")
+
+
+def selector_feeds(paired: bool, seq: int) -> dict:
+    """The extra feed a graph variant needs: {"decode": bool array} for a paired graph, else nothing."""
+    return {SELECTOR.name: np.array(seq == 1)} if paired else {}
+
+
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
     """(graph name, .onnx file, external-data file) in the standard layout: ("layer_3.decode", ...)."""
     stem = f"layer_{layer}" if role == "layer" else role
@@ -89,3 +101,19 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
                 (first_out, *(TensorSpec(t.name.replace("past_", "present_"), t.shape, t.dtype) for t in past)))
     present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
+
+
+def check_io(role: str, seq: int, layer: int | None, paired: bool,
+             io: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], dims: Dims, where: str) -> None:
+    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order), plus the selector
+    when paired; EdgeError naming `where` and the tensor otherwise."""
+    want_in, want_out = graph_io(role, seq, layer, dims)
+    want_in += (SELECTOR,) if paired else ()
+    for side, got, want in (("inputs", io[0], want_in), ("outputs", io[1], want_out)):
+        need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
+             f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")
+        by_name = {t.name: t for t in got}
+        for t in want:
+            have = by_name[t.name]
+            need(have == t, f"{where}.{side}.{t.name}: expected {list(t.shape)} {t.dtype}, "
+                            f"got {list(have.shape)} {have.dtype}")

@@ -16,19 +16,20 @@ def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "object": dict, "array": list}
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "object": dict, "array": list, "boolean": bool}
 
 
 def json_type(x: object) -> str:
     if x is None or isinstance(x, bool):
         return "null" if x is None else "boolean"
-    return next((k for k, t in _JSON_TYPES.items() if isinstance(x, t)), type(x).__name__)
+    return next((k for k, t in _JSON_TYPES.items() if isinstance(x, t)), type(x).__name__)  # bool handled above
 
 
 def check_type(value: object, kind: str, where: str) -> None:
     if value is None and kind.endswith("?"):
         return
-    ok = isinstance(value, _JSON_TYPES[kind.rstrip("?")]) and not isinstance(value, bool)
+    want = kind.rstrip("?")
+    ok = isinstance(value, bool) if want == "boolean" else isinstance(value, _JSON_TYPES[want]) and not isinstance(value, bool)
     ok = ok and (kind != "number" or math.isfinite(value))
     need(ok, f"{where}: expected {kind.rstrip('?')}{' or null' if kind.endswith('?') else ''}, "
              f"got {json_type(value)}")

@@ -7,6 +7,8 @@ readers accept exactly the versions listed):
      graphs return only the S new rows (present_*). Every file listed with sha256 and byte size.
   2  adds `kv_layout`: "rows" (version 1's graphs) or "inplace" (layer graphs take seqlens_k/total_len and
      return the whole cache, written in place; runtime/kvcache.py). A version-1 manifest reads as "rows".
+  3  adds `paired` per graph: both variants of an inplace layer name one file whose `If` picks the branch
+     from the bool input `decode` (graphio.SELECTOR); its hidden S dim is symbolic. Versions 1-2: unpaired.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -22,14 +24,14 @@ from pathlib import Path
 
 from .errors import EdgeError, need
 from .fileio import atomic_write_text, safe_join, sha256_file
-from .graphio import KV_LAYOUTS, Dims, TensorSpec, dims_from_config, graph_io
+from .graphio import KV_LAYOUTS, Dims, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 2
-READS = (1, 2)  # the versions this reader accepts
+FORMAT_VERSION = 3
+READS = (1, 2, 3)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head"), "model": ("model",)}
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -48,6 +50,7 @@ class GraphSpec:
     data: str | None          # its external-data file (shared by the prefill and decode variants)
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    paired: bool = False      # the file holds both variants (format 3); `decode` selects this one
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,13 @@ class Manifest:
             seen[key] = g.name
             for rel in (g.file, g.data):
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
-            _check_io(g, dims, where)
+            check_io(g.role, g.seq, g.layer, g.paired, (g.inputs, g.outputs), dims, where)
+            if g.paired:  # the other variant of this layer names the same files
+                need(g.role == "layer" and self.kv_layout == "inplace" and self.prefill_chunk > 1,
+                     f"{where}.paired: only layer graphs of an 'inplace' export with prefill_chunk > 1")
+                other = [o for o in self.graphs if o.role == "layer" and o.layer == g.layer and o.seq != g.seq]
+                need(all(o.paired and (o.file, o.data) == (g.file, g.data) for o in other),
+                     f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
         want = [(r, i, s) for r in roles for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
         missing = [k for k in want if k not in seen]
@@ -224,18 +233,6 @@ def read_manifest(directory: Path, verify: bool = True) -> Manifest:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_io(g: GraphSpec, dims: Dims, where: str) -> None:
-    want_in, want_out = graph_io(g.role, g.seq, g.layer, dims)
-    for side, got, want in (("inputs", g.inputs, want_in), ("outputs", g.outputs, want_out)):
-        need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
-             f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")
-        by_name = {t.name: t for t in got}
-        for t in want:
-            have = by_name[t.name]
-            need(have == t, f"{where}.{side}.{t.name}: expected {list(t.shape)} {t.dtype}, "
-                            f"got {list(have.shape)} {have.dtype}")
-
-
 def _check_files(directory: Path, files: dict[str, FileSpec], hash_files: bool) -> None:
     for rel, spec in files.items():
         path = safe_join(directory, rel)
@@ -256,7 +253,7 @@ def _no_constant(name: str) -> None:
 # The keys are the dataclass field names, so a checked object is passed on with **.
 _TENSOR = {"name": "string", "shape": "array", "dtype": "string"}
 _GRAPH = {"name": "string", "role": "string", "layer": "integer?", "seq": "integer", "file": "string",
-          "data": "string?", "inputs": "array", "outputs": "array"}
+          "data": "string?", "inputs": "array", "outputs": "array", "paired": "boolean"}
 _FILE = {"sha256": "string", "bytes": "integer"}
 _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "string", "preset": "string?",
         "config": "object", "granularity": "string", "kv_layout": "string", "max_seq": "integer", "prefill_chunk": "integer",
@@ -287,6 +284,8 @@ def _parse(doc: object) -> Manifest:
                            f"{', '.join(map(str, READS))})")
     if version == 1 and isinstance(doc.get("granularity"), str):
         doc = {**doc, "kv_layout": "rows"}  # version 1 had one layout, and no key for it
+    if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
+        doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")

@@ -19,8 +19,10 @@ import numpy as np
 
 from .errors import EdgeError, need
 
-# ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.op_type = 4; TensorProto fields:
+# ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.op_type = 4, .attribute = 5;
+# AttributeProto.g = 6, .graphs = 11 (an If's branches, a Loop's body); TensorProto fields:
 _MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _NODE_OP_TYPE = 7, 1, 5, 4
+_NODE_ATTRIBUTE, _ATTR_GRAPH, _ATTR_GRAPHS = 5, 6, 11
 _T_DIMS, _T_DATA_TYPE, _T_NAME, _T_EXTERNAL_DATA, _T_DATA_LOCATION = 1, 2, 8, 13, 14
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 
@@ -107,19 +109,26 @@ def _tensor(buf: memoryview, start: int, end: int) -> ExternalTensor | None:
     return ExternalTensor(name, tuple(dims), data_type, entries["location"], offset, length)
 
 
-def _op_type(buf: memoryview, start: int, end: int) -> list[str]:
-    """The op_type of one NodeProto (a list: empty if absent)."""
+def _op_types(buf: memoryview, start: int, end: int, depth: int = 0) -> list[str]:
+    """The op_type of one NodeProto and of every node in its subgraphs (an If's branches)."""
+    need(depth < 8, "subgraphs nested too deep")
     out = []
     for field, wire, value in _fields(buf, start, end):
         if field == _NODE_OP_TYPE and wire == 2:
             out.append(bytes(buf[value[0]:value[1]]).decode("utf-8"))
+        elif field == _NODE_ATTRIBUTE and wire == 2:
+            for afield, awire, avalue in _fields(buf, *value):
+                if afield in (_ATTR_GRAPH, _ATTR_GRAPHS) and awire == 2:
+                    for gfield, gwire, gvalue in _fields(buf, *avalue):
+                        if gfield == _GRAPH_NODE and gwire == 2:
+                            out += _op_types(buf, *gvalue, depth + 1)
     return out
 
 
 @dataclass(frozen=True)
 class GraphInfo:
     external: list[ExternalTensor]  # initializers of the main graph stored in external files
-    op_types: frozenset[str]        # op types of the main graph's nodes (not of subgraphs)
+    op_types: frozenset[str]        # op types of the main graph's nodes and of their subgraphs
 
 
 def read_graph_info(path: Path) -> GraphInfo:
@@ -139,7 +148,7 @@ def read_graph_info(path: Path) -> GraphInfo:
                     if tensor is not None:
                         external.append(tensor)
                 elif gfield == _GRAPH_NODE and gwire == 2:
-                    ops.update(_op_type(buf, *gvalue))
+                    ops.update(_op_types(buf, *gvalue))
         return GraphInfo(external, frozenset(ops))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:
         raise EdgeError(f"{path}: not a readable ONNX model ({err})") from None

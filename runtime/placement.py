@@ -15,6 +15,9 @@ onnxruntime cannot share a pre-packed copy between two sessions from Python. So 
   read everything in place, unpacked (one copy); quantized graphs pre-pack both variants (their kernels need
   the packed layout), i.e. two copies of the (small) quantized weights.
 
+A paired graph (manifest format 3: both variants of a layer in one file, quantize's default) is one session,
+placed like a decode graph: one packed copy serves both, and `--prefill-weights` does not apply to it.
+
 `SessionConfig.prepack_prefill` (`--prefill-weights`) overrides the prefill choice: True pre-packs every
 prefill graph (faster prefill, a second copy in RAM), False none (quantized Qwen2-0.5B shape, int4: peak RSS
 876 -> 685 MB, prefill 306 -> 60 tok/s); None (default) is the rule above.
@@ -78,7 +81,7 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None) -> d
     prepack: dict[str, bool] = {}
     for g in manifest.graphs:
         quantized = bool(infos[g.name].op_types & QUANTIZED_OPS)
-        if g.seq > 1:
+        if g.seq > 1 and not g.paired:  # a paired prefill variant shares its decode variant's session
             prepack[g.name] = quantized if prepack_prefill is None else prepack_prefill
         elif layered:
             shared = any(len(readers[rel]) > 1 for rel in files[g.name])
@@ -89,6 +92,7 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None) -> d
     kept = {rel for g in manifest.graphs if g.seq == 1 and not prepack[g.name] for rel in files[g.name]}
     out = {}
     for g in manifest.graphs:
-        release = () if prepack[g.name] or g.seq == 1 or not layered else tuple(sorted(files[g.name] - kept))
+        resident = prepack[g.name] or g.seq == 1 or g.paired or not layered
+        release = () if resident else tuple(sorted(files[g.name] - kept))
         out[g.name] = Placement(infos[g.name], prepack[g.name], release)
     return out

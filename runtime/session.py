@@ -205,17 +205,21 @@ def _checked(array: np.ndarray, where: str) -> np.ndarray:
 
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16",
-               "tensor(int32)": "int32"}
+               "tensor(int32)": "int32", "tensor(bool)": "bool"}
 
 
 def check_io(session: ort.InferenceSession, spec: GraphSpec) -> None:
     """The graph's declared inputs/outputs are exactly the manifest's (names, static shapes, dtypes): a graph
-    that disagrees is refused at load time, naming the file, rather than failing mid-generation."""
+    that disagrees is refused at load time, naming the file, rather than failing mid-generation. A paired
+    graph serves both S: its symbolic dims (the hidden states' S) match the variant's size."""
     for kind, got, want in (("input", session.get_inputs(), spec.inputs), ("output", session.get_outputs(),
                                                                             spec.outputs)):
         declared = {a.name: (tuple(a.shape), _ORT_DTYPES.get(a.type, a.type)) for a in got}
         for t in want:
             need(t.name in declared, f"{spec.file}: has no {kind} {t.name!r} (the manifest lists it)")
+            if spec.paired and len(declared[t.name][0]) == len(t.shape):
+                shape = tuple(w if isinstance(d, str) else d for d, w in zip(declared[t.name][0], t.shape, strict=True))
+                declared[t.name] = (shape, declared[t.name][1])
             need(declared[t.name] == (tuple(t.shape), t.dtype),
                  f"{spec.file}: {kind} {t.name!r} is {declared[t.name][1]}{list(declared[t.name][0])}, "
                  f"the manifest says {t.dtype}{list(t.shape)}")

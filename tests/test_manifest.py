@@ -77,7 +77,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 2
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 3
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -101,8 +101,42 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
     """Exports written before kv_layout existed (format_version 1, no key) still load, as "rows"."""
     make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=1), d.pop("kv_layout")))
+    edit(tmp_path, lambda d: (d.update(format_version=1), d.pop("kv_layout"), [g.pop("paired") for g in d["graphs"]]))
     assert read_manifest(tmp_path).kv_layout == "rows"
+
+
+def test_version_2_reads_as_unpaired(tmp_path: Path) -> None:
+    """Version 2 had no `paired` key: every graph reads as one file per variant."""
+    make_export(tmp_path, kv_layout="inplace")
+    edit(tmp_path, lambda d: (d.update(format_version=2), [g.pop("paired") for g in d["graphs"]]))
+    assert not any(g.paired for g in read_manifest(tmp_path).graphs)
+
+
+def pair_layer_0(doc: dict, variants: tuple[int, ...] = (4, 1), selector: bool = True) -> None:
+    """Edit a manifest so that layer 0's variants (by S) name one paired file."""
+    for g in doc["graphs"]:
+        if g["role"] == "layer" and g["layer"] == 0 and g["seq"] in variants:
+            g.update(paired=True, file="layer_0.decode.onnx")
+            g["inputs"].append({"name": "decode", "shape": [], "dtype": "bool"} if selector else g["inputs"][0])
+
+
+def test_paired_graphs(tmp_path: Path) -> None:
+    make_export(tmp_path, kv_layout="inplace")
+    edit(tmp_path, pair_layer_0)
+    got = read_manifest(tmp_path)
+    pair = [g for g in got.graphs if g.paired]
+    assert [(g.name, g.file, g.inputs[-1].name) for g in pair] == [
+        ("layer_0.prefill", "layer_0.decode.onnx", "decode"), ("layer_0.decode", "layer_0.decode.onnx", "decode")]
+    assert Manifest.from_json(got.to_json()) == got
+    make_export(tmp_path / "one", kv_layout="inplace")
+    edit(tmp_path / "one", lambda d: pair_layer_0(d, variants=(1,)))
+    rejects(tmp_path / "one", r"graphs\[3\] \(layer_0\.decode\)\.paired: the other variant of layer 0 must be paired")
+    make_export(tmp_path / "nosel", kv_layout="inplace")
+    edit(tmp_path / "nosel", lambda d: pair_layer_0(d, selector=False))
+    rejects(tmp_path / "nosel", r"layer_0.prefill\)\.inputs: expected names .*'decode'")
+    make_export(tmp_path / "rows")
+    edit(tmp_path / "rows", pair_layer_0)
+    rejects(tmp_path / "rows", r"\.paired: only layer graphs of an 'inplace' export")
 
 
 def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
@@ -119,7 +153,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2\)")
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

@@ -33,6 +33,7 @@ from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.methods import quantize_weight
 from edgellm.quant.options import QuantizeOptions
 from edgellm.quant.schemes import Scheme, dequantize
+from edgellm.runtime.graphio import SELECTOR
 from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
@@ -110,6 +111,8 @@ def check_variants(model: Decoder, src: Path, tmp: Path) -> None:
     for bits, group, fmt, sym in VARIANTS:
         exact = quantize(src, tmp / f"{bits}-{group}-{fmt}-exact", bits=bits, group_size=group, format=fmt,
                          symmetric=sym, accuracy_level=1 if fmt == "fast" else 4, lm_head="int8")
+        m = read_manifest(exact)     # fast exports pair each in-place layer's variants in one If graph
+        assert {g.paired for g in m.graphs if g.role == "layer"} <= {fmt == "fast" and m.kv_layout == "inplace"}
         got, new = generate(exact, PROMPT, STEPS, qdq_level=1)
         want = torch_logits(dequantized(model, bits, group, sym), PROMPT + new)
         assert np.abs(got - want).max() < 1e-4, (bits, fmt)
@@ -153,8 +156,13 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
     out8 = quantize(src, tmp_path / "q8", bits=8)
     assert tree_hash(src) == before                                  # the input export is only read
     fp32, m4, m8 = read_manifest(src), read_manifest(out4), read_manifest(out8)   # sha256 of every file
-    for m in (m4, m8):
-        assert [(g.name, g.inputs, g.outputs) for g in m.graphs] == [(g.name, g.inputs, g.outputs) for g in fp32.graphs]
+    for m in (m4, m8):    # fast exports of in-place layers: each layer's variants in one paired If graph
+        assert [(g.name, g.inputs[:-1] if g.paired else g.inputs, g.outputs) for g in m.graphs] == [
+            (g.name, g.inputs, g.outputs) for g in fp32.graphs]
+        layers = [g for g in m.graphs if g.role == "layer"]
+        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and g.inputs[-1] == SELECTOR for g in layers)
+        assert not any(g.paired for g in m.graphs if g.role != "layer")
+        assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
     expected = {f"layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS} | {"embed.weight", "lm_head.weight"}
     assert set(weights) == expected
@@ -183,11 +191,17 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
 
 
 def ops(path: Path) -> dict[str, list]:
-    """op type -> [bits attribute or initializer dtype of the weight input] per node of interest."""
+    """op type -> [bits attribute or initializer dtype of the weight input] per node of interest; of a paired
+    layer graph (`layer_i.onnx`), its decode branch."""
+    if not path.exists() and path.name.endswith(".decode.onnx"):
+        path = path.with_name(path.name.replace(".decode.onnx", ".onnx"))
     model = onnx.load(path, load_external_data=False)
     inits = {t.name: t.data_type for t in model.graph.initializer}
+    nodes = list(model.graph.node)
+    if [n.op_type for n in nodes] == ["If"]:
+        nodes = list(next(a.g for a in nodes[0].attribute if a.name == "then_branch").node)
     found: dict[str, list] = {}
-    for n in model.graph.node:
+    for n in nodes:
         if n.op_type == "MatMulNBits":
             found.setdefault("MatMulNBits", []).append(next(a.i for a in n.attribute if a.name == "bits"))
         elif n.op_type in ("MatMul", "Gather") and (n.input[0] in inits or n.input[1] in inits):
@@ -323,15 +337,22 @@ def test_cli_refuses_bad_directories(untied, tmp_path, capsys) -> None:
 
 def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
     """MatMulNBits runs many times slower on unpacked weights: a quantized export pre-packs its prefill
-    layers too (the fp32 export reads them in place and releases them after each run)."""
+    layers too (the fp32 export reads them in place and releases them after each run). A paired (fast)
+    export runs both variants of a layer in one pre-packed session, whatever --prefill-weights says."""
     from edgellm.runtime import Generator
     from edgellm.runtime.session import SessionConfig
 
     _, src = tied
     q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
+    split = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
     # (export, --prefill-weights as SessionConfig.prepack_prefill, whether prefill layers pre-pack)
-    for directory, choice, packed in ((src, None, False), (q, None, True), (q, False, False), (src, True, True)):
-        where = Generator.open(directory, config=SessionConfig(threads=1, prepack_prefill=choice)).engine.placement
-        for name, place in where.items():
+    for directory, choice, packed in ((src, None, False), (split, None, True), (split, False, False),
+                                      (src, True, True), (q, None, True), (q, False, True)):
+        engine = Generator.open(directory, config=SessionConfig(threads=1, prepack_prefill=choice)).engine
+        # the layers' bound graphs (decode: embed, layers, head; prefill: embed, layers) share sessions iff paired
+        shared = [d.session is p.session for d, p in zip(engine.decode.graphs[1:-1], engine.prefill.graphs[1:],
+                                                         strict=True)]
+        assert set(shared) == {directory == q}, directory.name
+        for name, place in engine.placement.items():
             if name.startswith("layer_") and name.endswith(".prefill"):
                 assert place.prepack == packed and (place.release == ()) == packed, (directory.name, name)

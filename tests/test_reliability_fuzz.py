@@ -222,15 +222,16 @@ def exports(tmp_path_factory, files) -> dict[str, Path]:
 
 
 def point_outside(directory: Path, location: str) -> None:
-    """Rewrite layer_0.decode.onnx so its first external weight lives at `location`; reseal its sha256."""
-    path = directory / "layer_0.decode.onnx"
+    """Rewrite layer_0.decode's graph file (a paired file in a quantized export) so its first external weight
+    lives at `location`; reseal its sha256."""
+    doc = json.loads((directory / "manifest.json").read_text())
+    rel = next(g["file"] for g in doc["graphs"] if g["name"] == "layer_0.decode")
+    path = directory / rel
     model = onnx.load(str(path), load_external_data=False)
     tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
     next(e for e in tensor.external_data if e.key == "location").value = location
     onnx.save(model, str(path))
-    doc = json.loads((directory / "manifest.json").read_text())
-    doc["files"]["layer_0.decode.onnx"] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                                           "bytes": path.stat().st_size}
+    doc["files"][rel] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size}
     (directory / "manifest.json").write_text(json.dumps(doc))
 
 

@@ -21,6 +21,7 @@ import onnxruntime as ort
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.generator import Generator
+from edgellm.runtime.graphio import selector_feeds
 from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
@@ -51,18 +52,20 @@ class ExportRunner:
         return KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
 
     def _session(self, spec: GraphSpec) -> ort.InferenceSession:
-        """The runtime's session options (what the board runs), one map of each weight file for all."""
-        if spec.name not in self._sessions:
+        """The runtime's session options (what the board runs), one map of each weight file for all; both
+        variants of a paired graph share one session, as in the runtime."""
+        key = spec.file if spec.paired else spec.name
+        if key not in self._sessions:
             path = safe_join(self.directory, spec.file)
             if self._placement is None:  # placed exactly as the runtime places them
                 self._placement = plan(self.directory, self.manifest, self.config.prepack_prefill)
-            self._sessions[spec.name] = open_placed(path, spec, self._placement[spec.name], self.config,
-                                                    self._weights)
-        return self._sessions[spec.name]
+            self._sessions[key] = open_placed(path, spec, self._placement[spec.name], self.config, self._weights)
+        return self._sessions[key]
 
     def _run(self, role: str, seq: int, layer: int | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec = self.manifest.graph(role, seq, layer)
         names = [t.name for t in spec.outputs]
+        feeds = feeds | selector_feeds(spec.paired, seq)
         return dict(zip(names, self._session(spec).run(names, feeds), strict=True))
 
     def step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None = None) -> np.ndarray:
