@@ -4,10 +4,10 @@ Per unit (head, embed, layer_i | model), both variants: load the graph with its 
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
 bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
-(pairing.py; manifest format 3). The plan's memo quantizes each weight once; it is kept from the head into the embedding unit (a
-tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer copied, every file
-hashed, an optional check of the logits against the fp32 export, manifest.json written last, and the
-directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
+(pairing.py; manifest format 3). The plan's memo quantizes each weight once; it is kept from the head into
+the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
+copied, every file hashed, an optional check of the logits against the fp32 export, manifest.json written
+last, and the directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
 """
 
 from __future__ import annotations

@@ -106,11 +106,10 @@ class ExportRunner:
         return np.concatenate(rows)
 
     def _run(self, key: tuple[str, int | None, int], feeds: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+        spec = self.manifest.graph(key[0], key[2], key[1])
         if key not in self.graphs:  # an S = 1 graph, opened the first time the call plan needs it
-            spec = self.manifest.graph(key[0], key[2], key[1])
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
-        spec = self.manifest.graph(key[0], key[2], key[1])
         out = graph.run(feeds | selector_feeds(spec.paired, key[2]))
         for weight, act in graph.weights.items():
             x = out[act]

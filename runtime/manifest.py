@@ -135,6 +135,7 @@ class Manifest:
         seqs = {1, self.prefill_chunk}
         seen: dict[tuple, str] = {}
         names: set[str] = set()
+        layers = {(g.layer, g.seq): g for g in self.graphs if g.role == "layer"}
         for n, g in enumerate(self.graphs):
             where = f"graphs[{n}] ({g.name})"
             need(g.name not in names, f"{where}: duplicate graph name")
@@ -154,8 +155,8 @@ class Manifest:
             if g.paired:  # the other variant of this layer names the same files
                 need(g.role == "layer" and self.kv_layout == "inplace" and self.prefill_chunk > 1,
                      f"{where}.paired: only layer graphs of an 'inplace' export with prefill_chunk > 1")
-                other = [o for o in self.graphs if o.role == "layer" and o.layer == g.layer and o.seq != g.seq]
-                need(all(o.paired and (o.file, o.data) == (g.file, g.data) for o in other),
+                other = layers.get((g.layer, self.prefill_chunk if g.seq == 1 else 1))
+                need(other is None or (other.paired and (other.file, other.data) == (g.file, g.data)),
                      f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
         want = [(r, i, s) for r in roles for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
