@@ -82,7 +82,7 @@ def session_options(config: SessionConfig, prepack: bool) -> ort.SessionOptions:
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = _LEVELS[config.optimization]
     so.enable_cpu_mem_arena = config.arena
-    so.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
+    so.log_severity_level = 4  # fatal only: warnings are not the user's business, errors come back as EdgeError
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
     so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
     return so
