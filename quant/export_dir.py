@@ -4,7 +4,8 @@ Per unit (head, embed, layer_i | model), both variants: load the graph with its 
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
 bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
-(pairing.py; manifest format 3). The plan's memo quantizes each weight once; it is kept from the head into
+(pairing.py; manifest format 3), and the embedding and all layers once more as one paired stack graph
+that reads the same data files (stacking.py; format 4). The plan's memo quantizes each weight once; it is kept from the head into
 the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
 copied, every file hashed, an optional check of the logits against the fp32 export, manifest.json written
 last, and the directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from edgellm import __version__
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, safe_join, sha256_file
-from edgellm.runtime.graphio import SELECTOR
+from edgellm.runtime.graphio import SELECTOR, graph_io, graph_paths
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, describe_files, read_manifest
 
 from .awq import Migrator
@@ -36,11 +37,13 @@ from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
 from .rewrite import quantize_model
 from .runner import ExportRunner
+from .stacking import STACK_FILE, check_stack, stack_graphs
 from .storage import DataStore, prune_initializers
 from .tied import quantize_tied_gathers
 
 RECORD_VERSION = 1        # of the manifest's `quantization` object
 CHECK_TOKENS = 128        # positions compared against fp32 after quantizing (one sampled sequence)
+STACK_TOLERANCE = 1e-4    # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
 
 
 @dataclass
@@ -143,10 +146,12 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         opset = max(_opset(tmp / g.file) for g in graphs)
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
                                   opset=opset, quantization={}, verification={})
-        comparison = _check(src, manifest, tmp, new, options.seed) if check else None
+        comparison, stack_diff = _check(src, manifest, tmp, new, options.seed) if check else (None, None)
         record = _record(options, plan, names, calib, comparison, manifest, src,
                          migrator.alpha if migrator else {})
         verification = {"end_to_end_vs_fp32": comparison.max_abs_diff} if comparison else {}
+        if stack_diff is not None:
+            verification["stack_vs_layers"] = stack_diff
         new = dataclasses.replace(new, quantization=record, verification=verification)
         new.write(tmp)
     before = sum(f.bytes for f in manifest.files.values())
@@ -160,6 +165,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
     (pairing.py: one session, one packed copy of the weights at run time)."""
     store = DataStore(tmp)
     graphs: list[GraphSpec] = []
+    stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
     reports: dict[tuple[str, str], WeightReport] = {}     # (initializer, op) -> first report
     try:
         with tqdm(total=len(manifest.graphs), desc="quantize", unit="graph", file=sys.stderr,
@@ -177,6 +183,9 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     for r in found:
                         reports.setdefault((r.name, "Gather" if r.op == "Gather" else "MatMul"), r)
                     bar.update()
+                if paired and specs[0].role in ("embed", "layer"):
+                    for g, model in done:
+                        stackable.setdefault(g.seq, []).append(model)
                 if paired and specs[0].role == "layer" and len(done) == 2:
                     (p, pm), (d, dm) = sorted(done, key=lambda x: -x[0].seq)
                     (tmp / f"{stem}.onnx").write_bytes(pair_layer(pm, dm).SerializeToString())
@@ -193,7 +202,21 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
         store.close()
     order = {g.name: i for i, g in enumerate(manifest.graphs)}
     graphs.sort(key=lambda g: order[g.name])
+    if paired:
+        graphs += _write_stack(tmp, manifest, stackable)
     return graphs, reports
+
+
+def _write_stack(tmp: Path, manifest: Manifest, stackable: dict[int, list[onnx.ModelProto]]) -> list[GraphSpec]:
+    """stack.onnx (stacking.py) from the quantized embed and layer graphs of both variants, paired."""
+    variants = {seq: stack_graphs(models[0], models[1:]) for seq, models in stackable.items()}
+    (tmp / STACK_FILE).write_bytes(pair_layer(variants[manifest.prefill_chunk], variants[1]).SerializeToString())
+    specs = []
+    for seq in (manifest.prefill_chunk, 1):
+        inputs, outputs = graph_io("stack", seq, None, manifest.dims)
+        specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
+                               inputs + (SELECTOR,), outputs, paired=True))
+    return specs
 
 
 def _opset(path: Path) -> int:
@@ -201,14 +224,21 @@ def _opset(path: Path) -> int:
     return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
 
 
-def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest, seed: int) -> LogitComparison:
-    """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration)."""
+def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
+           seed: int) -> tuple[LogitComparison, float | None]:
+    """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration); and
+    the stack graph (if any) vs the layer graphs it was built from, through the runtime's Engine."""
     (tokens,) = sample_sequences(src, min(CHECK_TOKENS, src_manifest.max_seq) - 1, seed + 1_000_003)
     ref = ExportRunner(src, src_manifest).logits(tokens)
     got = ExportRunner(tmp, new).logits(tokens)
     comparison = compare_logits([ref], [got])
     need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
-    return comparison
+    if not new.has_stack:
+        return comparison, None
+    diff = check_stack(tmp, new, tokens)
+    need(diff <= STACK_TOLERANCE, f"{tmp}: the stack graph's logits differ from its layer graphs' by {diff:.3g} "
+                                  f"(relative; expected <= {STACK_TOLERANCE:g})")
+    return comparison, diff
 
 
 def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, WeightReport]],

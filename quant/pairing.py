@@ -25,13 +25,14 @@ from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import SELECTOR
 
 
-def _symbolic_seq(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
-    """A copy of a [1, S, D] hidden-state value with S made symbolic."""
+def _symbolic_seq(value: onnx.ValueInfoProto, other: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """A copy of `value` with dim 1 made symbolic ("S") if the other variant's differs (hidden states, tokens)."""
     out = onnx.ValueInfoProto()
     out.CopyFrom(value)
-    dim = out.type.tensor_type.shape.dim[1]
-    dim.ClearField("dim_value")
-    dim.dim_param = "S"
+    dims, others = out.type.tensor_type.shape.dim, other.type.tensor_type.shape.dim
+    if len(dims) > 1 and dims[1].dim_value != others[1].dim_value:
+        dims[1].ClearField("dim_value")
+        dims[1].dim_param = "S"
     return out
 
 
@@ -59,19 +60,18 @@ def _branch(graph: onnx.GraphProto, prefix: str, shared: set[str]) -> onnx.Graph
 
 
 def pair_layer(prefill: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProto:
-    """The paired graph of one layer from its two (already quantized, data placed) variants."""
+    """The paired graph of one layer (or of the stack, stacking.py) from its two (already quantized, data
+    placed) variants."""
     names = [i.name for i in decode.graph.input]
     need(names == [i.name for i in prefill.graph.input] and
          [o.name for o in decode.graph.output] == [o.name for o in prefill.graph.output],
-         "internal: a layer's prefill and decode graphs must have the same input/output names")
-    need(names[0] == "hidden" and decode.graph.output[0].name == "hidden_out",
-         "internal: paired layer graphs start with hidden / hidden_out")
+         "internal: a graph's prefill and decode variants must have the same input/output names")
     p_init = {t.name: t for t in prefill.graph.initializer}
     shared = {t.name for t in decode.graph.initializer
               if t.name in p_init and t.SerializeToString() == p_init[t.name].SerializeToString()}
-    inputs = [_symbolic_seq(decode.graph.input[0]), *decode.graph.input[1:],
+    inputs = [*(_symbolic_seq(d, p) for d, p in zip(decode.graph.input, prefill.graph.input, strict=True)),
               helper.make_tensor_value_info(SELECTOR.name, onnx.TensorProto.BOOL, [])]
-    outputs = [_symbolic_seq(decode.graph.output[0]), *decode.graph.output[1:]]
+    outputs = [_symbolic_seq(d, p) for d, p in zip(decode.graph.output, prefill.graph.output, strict=True)]
     branch = helper.make_node("If", [SELECTOR.name], [o.name for o in outputs], name="variant",
                               then_branch=_branch(decode.graph, "decode/", shared),
                               else_branch=_branch(prefill.graph, "prefill/", shared))

@@ -69,7 +69,7 @@ class ExportRunner:
         self.directory, self.capture, self.config = Path(directory), capture, config or SessionConfig()
         self.graphs: dict[tuple[str, int | None, int], _Graph] = {}
         for g in manifest.graphs:
-            if g.seq == self.seq:
+            if g.seq == self.seq and g.role != "stack":  # the layer graphs it is made of run instead
                 self.graphs[(g.role, g.layer, g.seq)] = _Graph(self.directory, g.file, capture, self.config)
         self.cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim)
         self.abs_sum: dict[str, np.ndarray] = {}   # weight -> sum over real rows of |x| [K] (float64)

@@ -1,7 +1,8 @@
 """The forward pass through an export's graphs: tokens in, the last token's logits out, KV rows written.
 
 Two layouts (manifest `granularity`):
-- "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1.
+- "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1; or,
+  when the export has a stack graph (quant/stacking.py) and `SessionConfig.stack`, stack -> head.
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
@@ -77,6 +78,7 @@ class Engine:
         self.directory, self.manifest, self.cache, self.clock = Path(directory), manifest, cache, clock
         self.config = config
         self.layered = manifest.granularity == "layer"
+        self.stacked = self.layered and manifest.has_stack and config.stack  # see quant/stacking.py
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
@@ -120,6 +122,23 @@ class Engine:
             v.body, v.release = list(v.graphs), [self.placement[spec.name].release]
             v.releases = any(v.release)
             return v
+        if self.stacked:
+            self._bind_stack(v)
+        else:
+            self._bind_layers(v)
+        v.body = list(v.graphs)
+        v.release = [self.placement[g.where].release for g in v.body]
+        v.releases = any(v.release)
+        if seq == 1:  # the head runs only at S = 1 (see the module docstring)
+            v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
+            session, spec = self._session("head", 1)
+            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock,
+                                       spec.name))
+        return v
+
+    def _bind_layers(self, v: _Variant) -> None:
+        """embed -> layer_0 .. layer_{N-1}, one session each."""
+        m, seq = self.manifest, v.seq
         if not self.in_place:
             v.add_present(m.n_layers, m)
         # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
@@ -128,6 +147,8 @@ class Engine:
         v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, spec.name))
         if self.in_place:
             common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
+        else:
+            common = {"positions": v.positions, "past_len": self.past_len}
         for i in range(m.n_layers):
             inputs = {"hidden": hidden[i % 2], **common,
                       f"past_key.{i}": self.cache.keys[i], f"past_value.{i}": self.cache.values[i]}
@@ -138,15 +159,19 @@ class Engine:
             inputs |= selector_feeds(spec.paired, seq)
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.hidden_out = hidden[m.n_layers % 2]
-        v.body = list(v.graphs)
-        v.release = [self.placement[g.where].release for g in v.body]
-        v.releases = any(v.release)
-        if seq == 1:  # the head runs only at S = 1 (see the module docstring)
-            v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
-            session, spec = self._session("head", 1)
-            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock,
-                                       spec.name))
-        return v
+
+    def _bind_stack(self, v: _Variant) -> None:
+        """The stack graph: embedding and every layer in one session, writing every cache in place."""
+        m, seq = self.manifest, v.seq
+        v.hidden_out = np.zeros((1, seq, m.dim), np.float32)
+        inputs = {"tokens": v.tokens, "seqlens_k": self.seqlens_k, "total_len": self.total_len}
+        outputs = {"hidden_out": v.hidden_out}
+        for i in range(m.n_layers):
+            inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
+            inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
+        session, spec = self._session("stack", seq)
+        inputs |= selector_feeds(spec.paired, seq)
+        v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
 
     # ------------------------------------------------------------------------------------------ running
 

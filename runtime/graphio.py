@@ -90,13 +90,16 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
         return (i64("tokens", 1, s),), (f32("hidden", 1, s, d.dim),)
     if role == "head":
         return (f32("hidden", 1, s, d.dim),), (f32("logits", 1, s, d.vocab_size),)
-    need(role in ("layer", "model"), f"graph role: expected one of embed, layer, head, model, got {role!r}")
+    # "stack" (format 4, optional): the embedding and every layer in one graph, tokens -> hidden_out
+    need(role in ("layer", "model", "stack"),
+         f"graph role: expected one of embed, layer, head, model, stack, got {role!r}")
     layers = [layer] if role == "layer" else list(range(d.n_layers))
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
-    first_out = f32("hidden_out", 1, s, d.dim) if role == "layer" else f32("logits", 1, s, d.vocab_size)
+    first_out = f32("logits", 1, s, d.vocab_size) if role == "model" else f32("hidden_out", 1, s, d.dim)
     past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
+    need(role != "stack" or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
-        need(role == "layer", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")
+        need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")
         return ((first_in, i32("seqlens_k", 1), i32("total_len"), *past),
                 (first_out, *(TensorSpec(t.name.replace("past_", "present_"), t.shape, t.dtype) for t in past)))
     present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]

@@ -9,6 +9,9 @@ readers accept exactly the versions listed):
      return the whole cache, written in place; runtime/kvcache.py). A version-1 manifest reads as "rows".
   3  adds `paired` per graph: both variants of an inplace layer name one file whose `If` picks the branch
      from the bool input `decode` (graphio.SELECTOR); its hidden S dim is symbolic. Versions 1-2: unpaired.
+  4  adds the optional role "stack" (granularity "layer", kv_layout "inplace"): the embedding and every layer
+     in one graph (tokens -> hidden_out, every cache), both variants or neither; the runtime prefers it to
+     the embed + layer graphs, which stay for per-layer diffs. Versions 1-3 have none.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -30,10 +33,11 @@ from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 3
-READS = (1, 2, 3)  # the versions this reader accepts
+FORMAT_VERSION = 4
+READS = (1, 2, 3, 4)  # the versions this reader accepts
 MANIFEST = "manifest.json"
-ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head"), "model": ("model",)}
+ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
+OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -43,11 +47,12 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 @dataclass(frozen=True)
 class GraphSpec:
     name: str                 # "layer_3.decode"; keys `verification`
-    role: str                 # embed | layer | head | model
+    role: str                 # embed | layer | head | model | stack
     layer: int | None         # the layer index for role "layer", else None
     seq: int                  # S: prefill_chunk or 1
     file: str                 # the .onnx file, relative to the export dir
-    data: str | None          # its external-data file (shared by the prefill and decode variants)
+    data: str | None          # its external-data file (shared by the prefill and decode variants); a stack
+                              # graph reads the embed and layer data files: null
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     paired: bool = False      # the file holds both variants (format 3); `decode` selects this one
@@ -110,6 +115,10 @@ class Manifest:
     def vocab_size(self) -> int:
         return self.dims.vocab_size
 
+    @property
+    def has_stack(self) -> bool:
+        return any(g.role == "stack" for g in self.graphs)
+
     def graph(self, role: str, seq: int, layer: int | None = None) -> GraphSpec:
         for g in self.graphs:
             if (g.role, g.seq, g.layer) == (role, seq, layer):
@@ -153,13 +162,19 @@ class Manifest:
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
             check_io(g.role, g.seq, g.layer, g.paired, (g.inputs, g.outputs), dims, where)
             if g.paired:  # the other variant of this layer names the same files
-                need(g.role == "layer" and self.kv_layout == "inplace" and self.prefill_chunk > 1,
-                     f"{where}.paired: only layer graphs of an 'inplace' export with prefill_chunk > 1")
+                need(g.role in ("layer", "stack") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
+                     f"{where}.paired: only layer or stack graphs of an 'inplace' export with prefill_chunk > 1")
                 other = layers.get((g.layer, self.prefill_chunk if g.seq == 1 else 1))
-                need(other is None or (other.paired and (other.file, other.data) == (g.file, g.data)),
+                need(g.role != "layer" or other is None or
+                     (other.paired and (other.file, other.data) == (g.file, g.data)),
                      f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
+        stacks = [g for g in self.graphs if g.role == "stack"]
+        need(len({(g.file, g.paired) for g in stacks}) <= 1 and all(g.paired for g in stacks),
+             "graphs: the stack's two variants must be paired in one file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
-        want = [(r, i, s) for r in roles for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
+        optional = [r for r in OPTIONAL_ROLES if not any(g.role == r for g in self.graphs)]
+        want = [(r, i, s) for r in roles if r not in optional
+                for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
         missing = [k for k in want if k not in seen]
         need(not missing, f"graphs: missing (role, layer, seq) {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         if self.tokenizer is not None:
@@ -285,6 +300,9 @@ def _parse(doc: object) -> Manifest:
                            f"{', '.join(map(str, READS))})")
     if version == 1 and isinstance(doc.get("granularity"), str):
         doc = {**doc, "kv_layout": "rows"}  # version 1 had one layout, and no key for it
+    if version < 4 and isinstance(doc.get("graphs"), list):
+        need(all(not isinstance(g, dict) or g.get("role") != "stack" for g in doc["graphs"]),
+             f"graphs: role 'stack' needs format_version 4, this manifest says {version}")
     if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
         doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
     d = checked(doc, _TOP, "")

@@ -49,6 +49,7 @@ class SessionConfig:
     spinning: bool = False           # let idle pool threads spin (faster only when nothing else runs)
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
     optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
+    stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
 
     def validate(self) -> None:
         # each session gets its own pool of `threads`: an absurd count would start that many OS threads N + 2

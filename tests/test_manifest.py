@@ -77,7 +77,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 3
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 4
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -136,7 +136,42 @@ def test_paired_graphs(tmp_path: Path) -> None:
     rejects(tmp_path / "nosel", r"layer_0.prefill\)\.inputs: expected names .*'decode'")
     make_export(tmp_path / "rows")
     edit(tmp_path / "rows", pair_layer_0)
-    rejects(tmp_path / "rows", r"\.paired: only layer graphs of an 'inplace' export")
+    rejects(tmp_path / "rows", r"\.paired: only layer or stack graphs of an 'inplace' export")
+
+
+def add_stack(doc: dict, variants: tuple[int, ...] = (4, 1), file: str = "stack.onnx") -> None:
+    """Edit a manifest to add the stack graph's variants (by S), paired in `file` (listed in files)."""
+    dims = dims_from_config(CONFIG, max_seq=16, kv_layout="inplace")
+    for seq in variants:
+        inputs, outputs = graph_io("stack", seq, None, dims)
+        tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}  # noqa: E731
+        doc["graphs"].append({"name": f"stack.{'decode' if seq == 1 else 'prefill'}", "role": "stack", "layer": None,
+                              "seq": seq, "file": file, "data": None, "paired": True,
+                              "inputs": [tensor(t) for t in inputs] + [{"name": "decode", "shape": [], "dtype": "bool"}],
+                              "outputs": [tensor(t) for t in outputs]})
+    doc["files"][file] = doc["files"]["layer_0.decode.onnx"]
+
+
+def test_stack_graphs(tmp_path: Path) -> None:
+    """Format 4: an optional stack graph (embedding + every layer), both variants paired in one file."""
+    make_export(tmp_path, kv_layout="inplace")
+    assert not read_manifest(tmp_path, verify=False).has_stack
+    (tmp_path / "stack.onnx").write_bytes((tmp_path / "layer_0.decode.onnx").read_bytes())
+    edit(tmp_path, add_stack)
+    got = read_manifest(tmp_path)
+    assert got.has_stack and got.graph("stack", 1).inputs[0].name == "tokens"
+    assert got.graph("stack", 4).outputs[0].shape == (1, 4, CONFIG["dim"])
+    assert Manifest.from_json(got.to_json()) == got
+    make_export(tmp_path / "half", kv_layout="inplace")
+    (tmp_path / "half" / "stack.onnx").write_bytes((tmp_path / "half" / "layer_0.decode.onnx").read_bytes())
+    edit(tmp_path / "half", lambda d: add_stack(d, variants=(1,)))
+    rejects(tmp_path / "half", r"graphs: missing \(role, layer, seq\) \[\('stack', None, 4\)\]")
+    edit(tmp_path / "half", lambda d: d.update(format_version=3))
+    rejects(tmp_path / "half", "role 'stack' needs format_version 4, this manifest says 3")
+    make_export(tmp_path / "rows")
+    (tmp_path / "rows" / "stack.onnx").write_bytes(b"x")
+    edit(tmp_path / "rows", add_stack)
+    rejects(tmp_path / "rows", "stack graphs exist for kv_layout 'inplace' only")
 
 
 def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
@@ -153,7 +188,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3\)")
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

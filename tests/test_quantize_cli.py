@@ -157,11 +157,15 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
     assert tree_hash(src) == before                                  # the input export is only read
     fp32, m4, m8 = read_manifest(src), read_manifest(out4), read_manifest(out8)   # sha256 of every file
     for m in (m4, m8):    # fast exports of in-place layers: each layer's variants in one paired If graph
-        assert [(g.name, g.inputs[:-1] if g.paired else g.inputs, g.outputs) for g in m.graphs] == [
-            (g.name, g.inputs, g.outputs) for g in fp32.graphs]
+        assert [(g.name, g.inputs[:-1] if g.paired else g.inputs, g.outputs) for g in m.graphs
+                if g.role != "stack"] == [(g.name, g.inputs, g.outputs) for g in fp32.graphs]
+        # ... and the embedding + every layer once more as the stack graph, paired in stack.onnx
+        stack = [g for g in m.graphs if g.role == "stack"]
+        assert [(g.name, g.file, g.data, g.paired, g.inputs[-1]) for g in stack] == [
+            ("stack.prefill", "stack.onnx", None, True, SELECTOR), ("stack.decode", "stack.onnx", None, True, SELECTOR)]
         layers = [g for g in m.graphs if g.role == "layer"]
         assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and g.inputs[-1] == SELECTOR for g in layers)
-        assert not any(g.paired for g in m.graphs if g.role != "layer")
+        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
     expected = {f"layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS} | {"embed.weight", "lm_head.weight"}
@@ -182,6 +186,11 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
         by_stem: dict[str, set] = {}
         for g in m.graphs:
             refs = {(t.location, t.offset, t.length) for t in external_tensors(out / g.file)}
+            if g.role == "stack":  # reads the embed and layer weights where they are: no byte written twice
+                layered = {r for h in m.graphs if h.role in ("embed", "layer")
+                           for r in {(t.location, t.offset, t.length) for t in external_tensors(out / h.file)}}
+                assert refs == layered
+                continue
             assert {loc for loc, _, _ in refs} == {g.data}
             by_stem.setdefault(g.name.split(".")[0], []).append(refs)
         assert all(refs[0] == refs[1] for refs in by_stem.values())
@@ -295,7 +304,7 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_cli_prints_the_table_and_checks(untied, tmp_path, capsys) -> None:
+def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None:
     _, src = untied
     code, out, _ = cli([src, "-o", tmp_path / "q", "--bits", "4", "--int8-layers", "0", "--lm-head", "fp32"], capsys)
     assert code == 0
@@ -304,8 +313,13 @@ def test_cli_prints_the_table_and_checks(untied, tmp_path, capsys) -> None:
     assert any(line.startswith("layers.0.attn.qkv.weight") and "int8-ch-sym-rtn" in line for line in lines)
     assert any(line.startswith("lm_head.weight") and " fp32 " in line for line in lines)
     assert any(line.startswith("total") for line in lines) and "export size:" in out and "check vs fp32" in out
-    check = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantization"]["check"]
+    doc = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    check = doc["quantization"]["check"]
     assert check["positions"] > 0 and check["top1_agreement"] > 0.5
+    assert "stack_vs_layers" not in doc["verification"]               # model granularity: no stack graph
+    assert cli([tied[1], "-o", tmp_path / "t", "--bits", "4"], capsys)[0] == 0
+    doc = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert 0 <= doc["verification"]["stack_vs_layers"] <= 1e-4      # the stack checked against its layers
 
 
 @pytest.mark.parametrize(("args", "flag"), [
@@ -348,7 +362,8 @@ def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
     # (export, --prefill-weights as SessionConfig.prepack_prefill, whether prefill layers pre-pack)
     for directory, choice, packed in ((src, None, False), (split, None, True), (split, False, False),
                                       (src, True, True), (q, None, True), (q, False, True)):
-        engine = Generator.open(directory, config=SessionConfig(threads=1, prepack_prefill=choice)).engine
+        config = SessionConfig(threads=1, prepack_prefill=choice, stack=False)
+        engine = Generator.open(directory, config=config).engine
         # the layers' bound graphs (decode: embed, layers, head; prefill: embed, layers) share sessions iff paired
         shared = [d.session is p.session for d, p in zip(engine.decode.graphs[1:-1], engine.prefill.graphs[1:],
                                                          strict=True)]
@@ -356,3 +371,30 @@ def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
         for name, place in engine.placement.items():
             if name.startswith("layer_") and name.endswith(".prefill"):
                 assert place.prepack == packed and (place.release == ()) == packed, (directory.name, name)
+
+
+def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
+    """A fast export's stack graph (embedding + every layer in one session: 2 runs per decoded token, not
+    N + 2) gives the runtime the logits its layer graphs give, through prefill chunks and decode steps."""
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+
+    _, src = tied
+    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
+    portable = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
+    assert not read_manifest(src).has_stack and not read_manifest(portable).has_stack   # fast exports only
+    stacked = Generator.open(q, config=SessionConfig(threads=1)).engine
+    layered = Generator.open(q, config=SessionConfig(threads=1, stack=False)).engine
+    assert [g.where for g in stacked.decode.graphs] == ["stack.decode", "head.decode"]
+    assert [g.where for g in stacked.prefill.graphs] == ["stack.prefill"]
+    assert stacked.prefill.graphs[0].session is stacked.decode.graphs[0].session       # one packed copy
+    assert len(layered.decode.graphs) == read_manifest(q).n_layers + 2
+    prompt = [(7 * i + 3) % 200 + 4 for i in range(2 * read_manifest(q).prefill_chunk + 3)]
+    rows = {}
+    for name, engine in (("stack", stacked), ("layers", layered)):
+        got = [engine.forward(prompt).copy()]
+        for _ in range(6):
+            got.append(engine.forward([int(got[-1].argmax())]).copy())
+        rows[name] = np.stack(got)
+    assert np.abs(rows["stack"] - rows["layers"]).max() <= 1e-5 * max(1.0, float(np.abs(rows["layers"]).max()))
+    assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
