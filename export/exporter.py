@@ -21,9 +21,9 @@ from tqdm import tqdm
 from edgellm import __version__
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.fileio import atomic_dir, sha256_file
+from edgellm.runtime.fileio import FileSpec, atomic_dir, sha256_file
 from edgellm.runtime.graphio import dims_from_config
-from edgellm.runtime.manifest import MANIFEST, FileSpec, GraphSpec, Manifest
+from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import load_tokenizer
 

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from edgellm import __version__
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.fileio import atomic_dir, safe_join, sha256_file
+from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
 from edgellm.runtime.graphio import SELECTOR, graph_io, graph_paths
-from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, describe_files, read_manifest
+from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
 
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences

@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .errors import EdgeError, need
@@ -168,3 +169,33 @@ def safe_join(root: Path, rel: str) -> Path:
         raise EdgeError(f"{root}: cannot resolve {rel!r}: {err}") from None
     need(inside, f"{root}: path {rel!r} resolves outside the directory (symlink?)")
     return path
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """A manifest `files` entry: what a file of an export must hash to, and its size."""
+
+    sha256: str
+    bytes: int
+
+
+def describe_files(directory: Path, relpaths: list[str]) -> dict[str, FileSpec]:
+    """The `files` entry for files already written under `directory`."""
+    files = {}
+    for rel in relpaths:
+        path = safe_join(Path(directory), rel)
+        files[rel] = FileSpec(sha256_file(path), path.stat().st_size)
+    return files
+
+
+def check_files(directory: Path, files: dict[str, FileSpec], hash_files: bool) -> None:
+    """Every listed file exists with its size (and sha256 when `hash_files`); EdgeError naming the path."""
+    for rel, spec in files.items():
+        path = safe_join(directory, rel)
+        try:
+            need(path.is_file(), f"{path}: listed in files but missing")
+            size = path.stat().st_size
+            need(size == spec.bytes, f"{path}: {size} bytes, the manifest says {spec.bytes} (truncated copy?)")
+            need(not hash_files or sha256_file(path) == spec.sha256, f"{path}: sha256 differs from the manifest")
+        except OSError as err:
+            raise EdgeError(f"{path}: cannot read ({err.strerror})") from None

@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import EdgeError, need
-from .fileio import atomic_write_text, safe_join, sha256_file
+from .fileio import FileSpec, atomic_write_text, check_files
 from .graphio import KV_LAYOUTS, Dims, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
@@ -56,12 +56,6 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     paired: bool = False      # the file holds both variants (format 3); `decode` selects this one
-
-
-@dataclass(frozen=True)
-class FileSpec:
-    sha256: str
-    bytes: int
 
 
 
@@ -203,7 +197,7 @@ class Manifest:
     def write(self, directory: Path) -> Path:
         """Check the listed files exist with their sizes, then write manifest.json atomically (it goes last)."""
         directory = Path(directory)
-        _check_files(directory, self.files, hash_files=False)
+        check_files(directory, self.files, hash_files=False)
         path = directory / MANIFEST
         atomic_write_text(path, self.to_json())
         return path
@@ -216,15 +210,6 @@ class Manifest:
         except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise EdgeError(f"not valid JSON ({err})") from None
         return _parse(doc)
-
-
-def describe_files(directory: Path, relpaths: list[str]) -> dict[str, FileSpec]:
-    """The `files` entry for files already written under `directory`."""
-    files = {}
-    for rel in relpaths:
-        path = safe_join(Path(directory), rel)
-        files[rel] = FileSpec(sha256_file(path), path.stat().st_size)
-    return files
 
 
 def read_manifest(directory: Path, verify: bool = True) -> Manifest:
@@ -240,25 +225,13 @@ def read_manifest(directory: Path, verify: bool = True) -> Manifest:
         raise EdgeError(f"{path}: cannot read ({err.strerror})") from None
     try:
         manifest = Manifest.from_json(raw)
-        _check_files(directory, manifest.files, hash_files=verify)
+        check_files(directory, manifest.files, hash_files=verify)
     except EdgeError as err:
         raise EdgeError(f"{path}: {err}") from None
     return manifest
 
 
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _check_files(directory: Path, files: dict[str, FileSpec], hash_files: bool) -> None:
-    for rel, spec in files.items():
-        path = safe_join(directory, rel)
-        try:
-            need(path.is_file(), f"{path}: listed in files but missing")
-            size = path.stat().st_size
-            need(size == spec.bytes, f"{path}: {size} bytes, the manifest says {spec.bytes} (truncated copy?)")
-            need(not hash_files or sha256_file(path) == spec.sha256, f"{path}: sha256 differs from the manifest")
-        except OSError as err:
-            raise EdgeError(f"{path}: cannot read ({err.strerror})") from None
 
 
 def _no_constant(name: str) -> None:

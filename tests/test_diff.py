@@ -33,7 +33,8 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.loaders import load_checkpoint, save_checkpoint
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import EdgeError
-from edgellm.runtime.manifest import describe_files, read_manifest
+from edgellm.runtime.fileio import describe_files
+from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.tokenizer import load_tokenizer
 from edgellm.train.bpe import train_bpe_from_iterator
 

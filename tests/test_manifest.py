@@ -13,16 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgellm.runtime.errors import EdgeError
-from edgellm.runtime.fileio import atomic_dir, atomic_write_bytes, safe_join, sha256_file
+from edgellm.runtime.fileio import atomic_dir, atomic_write_bytes, describe_files, safe_join, sha256_file
 from edgellm.runtime.graphio import dims_from_config, graph_io, graph_paths
-from edgellm.runtime.manifest import (
-    FORMAT_VERSION,
-    MANIFEST,
-    GraphSpec,
-    Manifest,
-    describe_files,
-    read_manifest,
-)
+from edgellm.runtime.manifest import FORMAT_VERSION, MANIFEST, GraphSpec, Manifest, read_manifest
 
 CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim": 16, "vocab_size": 32,
           "rope_theta": 10000.0, "rope_scaling": [1.0, 0.5]}
