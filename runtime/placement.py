@@ -16,7 +16,8 @@ onnxruntime cannot share a pre-packed copy between two sessions from Python. So 
   the packed layout), i.e. two copies of the (small) quantized weights.
 
 A paired graph (manifest format 3: both variants of a layer in one file, quantize's default) is one session,
-placed like a decode graph: one packed copy serves both, and `--prefill-weights` does not apply to it.
+placed like a decode graph: one packed copy serves both, and `--prefill-weights` does not apply to it. So is
+the stack (format 4: embedding + every layer, paired; quantized exports only, so it is always pre-packed).
 
 `SessionConfig.prepack_prefill` (`--prefill-weights`) overrides the prefill choice: True pre-packs every
 prefill graph (faster prefill, a second copy in RAM), False none (quantized Qwen2-0.5B shape, int4: peak RSS
