@@ -1,14 +1,16 @@
 """edgellm vs onnxruntime-genai on the same Hugging Face checkpoints, same precision, same workload.
 
     pip install -e '.[bench]'        # onnxruntime-genai (bench-only extra)
-    python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench]
+    python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench] [--rounds 5]
 
 For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py), the ORT-genai model
 (`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
 past_present_share_buffer set in genai_config.json) and the edgellm export (`edgellm export`, plus
 `edgellm quantize` for int8/int4), then runs the anchors' workload on both — fixed pseudo-random prompt ids
 (seed 1234), greedy, EOS unable to stop a run, one warm-up + --runs timed runs, medians — each system in its
-own process (own peak RSS), and prints the table and the edgellm / ORT-genai ratios.
+own process (own peak RSS), and prints the table and the edgellm / ORT-genai ratios. With --rounds N the pair
+is run N times, alternating which system goes first, and the median of the N decode ratios is printed: this
+VM's speed drifts by 10-20 % over minutes, so one pair of runs can land anywhere in 0.8-1.05x.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ def main() -> None:
     p.add_argument("--max-seq", type=int, default=256, help="edgellm export context / genai max_length")
     p.add_argument("--max-other-load", type=float, default=3.0,
                    help="repeat a timed run (up to 5 times) while other processes use more CPU than this %%")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the pair of runs this many times, alternating which system goes first (the VM's "
+                        "speed drifts over minutes); prints the median of the per-round ratios")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -142,19 +147,40 @@ def main() -> None:
         genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
                             args.max_seq)
         export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq)
-        child = subprocess.run([sys.executable, __file__, "--child", str(genai), "--contexts", args.contexts,
-                                "--runs", str(args.runs), "--new-tokens", str(args.new_tokens),
-                                "--max-other-load", str(args.max_other_load)],
-                               capture_output=True, text=True, check=True)
-        rows = json.loads(child.stdout.strip().splitlines()[-1])
-        rows += edgellm_rows(export, contexts, args.new_tokens, args.runs, args.threads, args.max_other_load)
-        for row in rows:
-            row["model"], row["precision"] = name, args.precision
-        report += rows
-        if not args.json:
-            _print(name, args.precision, rows)
+        ratios: dict[int, list[float]] = {}
+        for round_ in range(args.rounds):
+            rows = []
+            for system in ("ort-genai", "edgellm") if round_ % 2 == 0 else ("edgellm", "ort-genai"):
+                rows += _genai_rows(genai, args) if system == "ort-genai" else edgellm_rows(
+                    export, contexts, args.new_tokens, args.runs, args.threads, args.max_other_load)
+            rows.sort(key=lambda r: r["system"] != "ort-genai")  # printed genai first whichever ran first
+            for row in rows:
+                row["model"], row["precision"], row["round"] = name, args.precision, round_
+            report += rows
+            for ctx, ratio in _decode_ratios(rows).items():
+                ratios.setdefault(ctx, []).append(ratio)
+            if not args.json:
+                _print(name, args.precision, rows)
+        if args.rounds > 1 and not args.json:
+            for ctx, values in ratios.items():
+                print(f"  ctx {ctx}: decode edgellm / ORT-genai over {len(values)} alternating rounds: median "
+                      f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in sorted(values))})")
     if args.json:
         print(json.dumps({"schema": "edgellm-bench-ortgenai", "version": 1, "rows": report}))
+
+
+def _genai_rows(genai: Path, args: argparse.Namespace) -> list[dict]:
+    """onnxruntime-genai's rows, measured in a child process of its own (own peak RSS)."""
+    child = subprocess.run([sys.executable, __file__, "--child", str(genai), "--contexts", args.contexts,
+                            "--runs", str(args.runs), "--new-tokens", str(args.new_tokens),
+                            "--max-other-load", str(args.max_other_load)], capture_output=True, text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _decode_ratios(rows: list[dict]) -> dict[int, float]:
+    """context -> edgellm / ORT-genai decode tok/s within one round."""
+    by = {(r["system"], r["context"]): r["decode"] for r in rows}
+    return {ctx: by[("edgellm", ctx)] / by[("ort-genai", ctx)] for sys_, ctx in by if sys_ == "edgellm"}
 
 
 def _print(name: str, precision: str, rows: list[dict]) -> None:
