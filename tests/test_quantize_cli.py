@@ -398,3 +398,20 @@ def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
         rows[name] = np.stack(got)
     assert np.abs(rows["stack"] - rows["layers"]).max() <= 1e-5 * max(1.0, float(np.abs(rows["layers"]).max()))
     assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
+
+
+def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
+    """`edgellm info` on an export: its layout, precision and the graphs `edgellm run` executes per token."""
+    _, src = tied
+    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
+    assert main(["info", str(src)]) == 0
+    fp32 = capsys.readouterr().out
+    assert main(["info", str(q)]) == 0
+    int4 = capsys.readouterr().out
+    assert "format: edgellm-export 4" in fp32 and "precision: fp32" in fp32
+    assert "per decoded token: embed.decode + layer_0..1.decode + head.decode (4 runs)" in fp32
+    assert "max relative |onnx - torch|" in fp32
+    assert "precision: int4 g32 sym rtn, format fast (accuracy level 4), lm_head int4, embeddings int8" in int4
+    assert "per decoded token: stack.decode + head.decode (2 runs" in int4
+    sizes = [line for line in int4.splitlines() if line.startswith("size: ")]
+    assert len(sizes) == 1 and float(sizes[0].split()[1]) > 0

@@ -138,7 +138,6 @@ def test_wrong_kind_of_directory(tmp_path, capsys, ckpt, export):
     out = tmp_path / "out"
     for argv, needle in [
         (["info", empty], "not a checkpoint edgellm can load"),
-        (["info", export], "not a checkpoint edgellm can load"),           # an export is not a checkpoint
         (["export", export, "-o", out], "not a checkpoint edgellm can load"),
         (["run", ckpt, "--prompt-ids", "1"], "manifest.json: not found"),  # a checkpoint is not an export
         (["bench", empty], "manifest.json: not found"),
@@ -309,6 +308,7 @@ def test_corrupt_export_every_reader(tmp_path, capsys, ckpt, export, case):
     fails(capsys, ["bench", bad, "--runs", "1", "--new-tokens", "2"], needle)
     if case == "onnx-resealed":
         return  # see test_corrupt_graph_with_a_valid_manifest_in_quantize_and_diff
+    fails(capsys, ["info", bad], needle)             # info reads only the manifest, but checks every file first
     fails(capsys, ["quantize", bad, "-o", out, "--bits", "8", "--no-progress"], needle)
     fails(capsys, ["diff", ckpt, bad, "-o", out, "--quiet"], needle)
     assert not out.exists()

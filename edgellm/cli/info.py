@@ -1,4 +1,5 @@
-"""`edgellm info CHECKPOINT`: what a checkpoint is (source, preset, config), how many parameters, how big."""
+"""`edgellm info PATH`: what a checkpoint is (source, preset, config), how many parameters, how big; or, for an
+export directory, what it holds and what `edgellm run` will execute (info_export.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("info", help="describe a checkpoint (HF dir, llama2.c .bin, edgellm dir)",
+    parser = sub.add_parser("info", help="describe a checkpoint (HF dir, llama2.c .bin, edgellm dir) or an export",
                             description="Load a checkpoint and print its source, preset, config, parameter "
-                                        "count and sizes.")
-    parser.add_argument("checkpoint", type=Path, help="HF directory, llama2.c .bin file or edgellm checkpoint dir")
+                                        "count and sizes; or describe an export directory from its manifest "
+                                        "(layout, precision, graphs run per token, sizes, checks).")
+    parser.add_argument("checkpoint", type=Path,
+                        help="HF directory, llama2.c .bin file, edgellm checkpoint dir, or an export dir")
     parser.set_defaults(func=run)
 
 
@@ -30,6 +33,11 @@ def _value(value: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .info_export import describe_export, is_export
+
+    if is_export(args.checkpoint):
+        describe_export(args.checkpoint)
+        return 0
     from edgellm.loaders import load_checkpoint  # torch is imported only when the verb runs
 
     loaded = load_checkpoint(args.checkpoint)

@@ -1,0 +1,60 @@
+"""`edgellm info EXPORT_DIR`: what an export holds and what `edgellm run` will execute (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgellm.runtime.manifest import FORMAT, MANIFEST, Manifest, read_manifest
+
+
+def is_export(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def _precision(m: Manifest) -> str:
+    q = m.quantization
+    if q is None:
+        return "fp32"
+    o = q.get("options", {})  # the quantization record is free-form JSON: nothing here may raise
+    bits = o.get("bits", "?")
+    linears = f"int{bits}" + (f" g{o.get('group_size', '?')}" if bits == 4 else " per channel")
+    fmt = o.get("format", "?")
+    return (f"{linears} {'sym' if o.get('symmetric', True) else 'asym'} {o.get('method', '?')}, format {fmt}"
+            + (f" (accuracy level {q.get('accuracy_level', '?')})" if fmt == "fast" else "")
+            + f", lm_head {o.get('lm_head') or f'int{bits}'}, embeddings {o.get('embeddings', '?')}")
+
+
+def _per_token(m: Manifest) -> str:
+    """The graphs the runtime runs per decoded token (runtime.engine, default SessionConfig)."""
+    if m.granularity == "model":
+        return "model.decode (1 run)"
+    if m.has_stack:
+        return "stack.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`)"
+    return f"embed.decode + layer_0..{m.n_layers - 1}.decode + head.decode ({m.n_layers + 2} runs)"
+
+
+def describe_export(path: Path) -> None:
+    """Print an export's manifest in a form a person reads (every file's size and sha256 checked first)."""
+    m = read_manifest(path)
+    version = json.loads((path / MANIFEST).read_text())["format_version"]  # read_manifest checked it
+    print(f"export: {path}")
+    print(f"format: {FORMAT} {version} (written by edgellm {m.edgellm_version})")
+    print(f"preset: {m.preset}  (dim {m.dim}, {m.n_layers} layers, {m.config.get('n_heads')}/{m.n_kv_heads} heads, "
+          f"head_dim {m.head_dim}, vocab {m.vocab_size})")
+    print(f"layout: granularity {m.granularity}, kv_layout {m.kv_layout}, max_seq {m.max_seq}, "
+          f"prefill_chunk {m.prefill_chunk}, opset {m.opset}")
+    print(f"precision: {_precision(m)}")
+    print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
+    kv = 2 * m.n_layers * m.n_kv_heads * m.max_seq * m.head_dim * 4
+    print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
+          f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once)")
+    tok = m.tokenizer
+    print(f"tokenizer: {tok['file'] + ' (' + tok['kind'] + ')' if tok else 'none (token ids only)'}; "
+          f"bos {m.bos_id}, eos {m.eos_id}")
+    print("sampler defaults: " + ", ".join(f"{k} {v}" for k, v in m.sampler.items()))
+    graphs = {k: v for k, v in m.verification.items() if "." in k}
+    checks = [f"{k} {v:.3g}" for k, v in m.verification.items() if k not in graphs]
+    if graphs:
+        checks.insert(0, f"max relative |onnx - torch| {max(graphs.values()):.3g} over {len(graphs)} graphs")
+    print("verification: " + ("; ".join(checks) if checks else "none recorded"))
