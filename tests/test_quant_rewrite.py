@@ -240,3 +240,43 @@ def test_sites_carry_torch_module_paths_and_act_scales_reach_the_search() -> Non
     aware = dequantize(quantize_weight(w.T, spec.scheme, "mse", act))
     assert not np.array_equal(aware, dequantize(quantize_weight(w.T, spec.scheme, "mse")))
     assert rel(run(model, {"x": x})[0], x @ aware.T) < 1e-4
+
+
+def _tiny(name: str, inputs: list[str], output: str, scale: float, const: str = "c") -> onnx.ModelProto:
+    """y = (x + c) * scale with a constant named `const`: the same name, other content, in every graph."""
+    nodes = [helper.make_node("Add", [inputs[0], const], ["t"]), helper.make_node("Mul", ["t", "s"], [output])]
+    inits = [numpy_helper.from_array(np.full(4, scale, np.float32), const),
+             numpy_helper.from_array(np.array(scale, np.float32), "s")]
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info(i, TensorProto.FLOAT, [1, 4])
+                                            for i in inputs],
+                              [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+
+
+def test_stacking_keeps_each_graphs_constants_apart() -> None:
+    """stack_graphs renames values per unit and any initializer whose name another unit uses with other
+    content, so the stack computes exactly the chain of its graphs (here each graph's "c" and "s" differ)."""
+    from edgellm.quant.stacking import stack_graphs
+
+    embed = _tiny("embed", ["tokens"], "hidden", 2.0)
+    layers = [_tiny(f"layer_{i}", ["hidden", "seqlens_k"], "hidden_out", 3.0 + i) for i in range(3)]
+    for i, m in enumerate(layers):  # a per-layer graph output that keeps its name in the stack
+        m.graph.node.append(helper.make_node("Identity", ["t"], [f"present_key.{i}"]))
+        m.graph.output.append(helper.make_tensor_value_info(f"present_key.{i}", TensorProto.FLOAT, [1, 4]))
+    stack = stack_graphs(embed, layers)
+    onnx.checker.check_model(stack)
+    assert [i.name for i in stack.graph.input] == ["tokens", "seqlens_k"]
+    assert [o.name for o in stack.graph.output] == ["hidden_out", "present_key.0", "present_key.1", "present_key.2"]
+    x, lens = np.arange(4, dtype=np.float32)[None], np.ones((1, 4), np.float32)
+    run = lambda m, feeds: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, feeds)
+    want = [run(embed, {"tokens": x})[0]]
+    presents = []
+    for m in layers:
+        out, present = run(m, {"hidden": want[-1], "seqlens_k": lens})
+        want.append(out)
+        presents.append(present)
+    got = run(stack, {"tokens": x, "seqlens_k": lens})
+    np.testing.assert_array_equal(got[0], want[-1])
+    for g, w in zip(got[1:], presents, strict=True):
+        np.testing.assert_array_equal(g, w)
