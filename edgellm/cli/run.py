@@ -66,7 +66,7 @@ def add_prefill_weights_flag(p: argparse.ArgumentParser) -> None:
                    help="packed: the prefill graphs pre-pack their weights (fast prefill, a second packed copy in "
                         "RAM); mapped: they read the mapped file in place (lowest RSS, slower prefill); auto "
                         "(default): packed for quantized exports, whose kernels are many times slower unpacked. "
-                        "Paired layers (quantize's fast format) share one packed copy and ignore this")
+                        "Paired layers and the stack graph (quantize's fast format) share one packed copy and ignore this")
 
 
 def shared_pool(choice: str, verb: str) -> bool:
