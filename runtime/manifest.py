@@ -58,7 +58,6 @@ class GraphSpec:
     paired: bool = False      # the file holds both variants (format 3); `decode` selects this one
 
 
-
 @dataclass(frozen=True)
 class Manifest:
     """An export directory's description. Constructing one validates it (EdgeError naming the key)."""
