@@ -43,7 +43,6 @@ _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-l
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-
 @dataclass(frozen=True)
 class GraphSpec:
     name: str                 # "layer_3.decode"; keys `verification`
