@@ -18,6 +18,8 @@ which onnxruntime's If passes through to GroupQueryAttention: the cache is still
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx
 from onnx import helper
 
@@ -36,18 +38,25 @@ def _symbolic_seq(value: onnx.ValueInfoProto, other: onnx.ValueInfoProto) -> onn
     return out
 
 
+def renamed_nodes(nodes: Iterable[onnx.NodeProto], names: dict[str, str], prefix: str) -> list[onnx.NodeProto]:
+    """Copies of `nodes` with every input/output in `names` renamed and `prefix` before each node name (for
+    placing one graph's nodes beside another's: an If branch here, a stack unit in stacking.py)."""
+    out = []
+    for n in nodes:
+        m = onnx.NodeProto()
+        m.CopyFrom(n)
+        m.input[:] = [names.get(i, i) for i in n.input]
+        m.output[:] = [names.get(o, o) for o in n.output]
+        m.name = prefix + (n.name or n.output[0])
+        out.append(m)
+    return out
+
+
 def _branch(graph: onnx.GraphProto, prefix: str, shared: set[str]) -> onnx.GraphProto:
     """`graph` as an If branch: no inputs (it reads the outer scope), every value it makes renamed with
     `prefix` (so neither branch shadows an outer name), its own initializers minus the shared ones."""
     local = {o: prefix + o for n in graph.node for o in n.output if o}
-    nodes = []
-    for n in graph.node:
-        m = onnx.NodeProto()
-        m.CopyFrom(n)
-        m.input[:] = [local.get(i, i) for i in n.input]
-        m.output[:] = [local.get(o, o) for o in n.output]
-        m.name = prefix + (n.name or n.output[0])
-        nodes.append(m)
+    nodes = renamed_nodes(graph.node, local, prefix)
     outputs = []
     for o in graph.output:
         need(o.name in local, f"internal: graph output {o.name!r} is not computed by a node")

@@ -31,6 +31,8 @@ from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import RunClock, SessionConfig
 
+from .pairing import renamed_nodes
+
 STACK_FILE = "stack.onnx"
 
 
@@ -54,13 +56,7 @@ def _unit(model: onnx.ModelProto, prefix: str, feeds: dict[str, str], keep: set[
         need(not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute),
              f"internal: {prefix}{n.name}: graphs with subgraphs cannot be stacked")
         names.update({o: o if o in keep else prefix + o for o in n.output if o})
-    for n in model.graph.node:
-        m = onnx.NodeProto()
-        m.CopyFrom(n)
-        m.input[:] = [names.get(i, i) for i in n.input]
-        m.output[:] = [names.get(o, o) for o in n.output]
-        m.name = prefix + (n.name or n.output[0])
-        nodes.append(m)
+    nodes += renamed_nodes(model.graph.node, names, prefix)
     return {o.name: names[o.name] for o in model.graph.output}
 
 
