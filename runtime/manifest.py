@@ -161,7 +161,7 @@ class Manifest:
                      (other.paired and (other.file, other.data) == (g.file, g.data)),
                      f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
         stacks = [g for g in self.graphs if g.role == "stack"]
-        need(len({(g.file, g.paired) for g in stacks}) <= 1 and all(g.paired for g in stacks),
+        need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
              "graphs: the stack's two variants must be paired in one file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
         optional = [r for r in OPTIONAL_ROLES if not any(g.role == r for g in self.graphs)]
