@@ -26,30 +26,20 @@ import pytest
 import torch
 
 from edgellm.cli import main
-from edgellm.export import ExportOptions, export_model
 from edgellm.model import PRESETS, Decoder
 from edgellm.quant.awq import apply_group, find_groups
-from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.methods import quantize_weight
-from edgellm.quant.options import QuantizeOptions
 from edgellm.quant.schemes import Scheme, dequantize
 from edgellm.runtime.graphio import SELECTOR
 from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
-from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
+from tests.export_helpers import onnx_generate_logits, torch_logits
+from tests.quant_helpers import export, quantize
 
-OPTIONS = dict(max_seq=48, prefill_chunk=8)
 PROMPT = torch.randint(0, 256, (19,), generator=torch.Generator().manual_seed(7)).tolist()  # 2 chunks + 3
 STEPS = 16
 LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
-
-
-def export(tmp: Path, preset: str, granularity: str) -> tuple[Decoder, Path]:
-    model = tiny_model(preset, seed=3)
-    out = tmp / f"{preset}-{granularity}"
-    export_model(model, out, ExportOptions(granularity=granularity, **OPTIONS), progress=False, log=lambda _: None)
-    return model, out
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +51,6 @@ def tied(tmp_path_factory) -> tuple[Decoder, Path]:
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory) -> tuple[Decoder, Path]:
     return export(tmp_path_factory.mktemp("untied"), "llama2", "model")
-
-
-def quantize(src: Path, out: Path, **kw) -> Path:
-    quantize_export(src, out, QuantizeOptions(**kw), check=False, progress=False, log=lambda _: None)
-    return out
 
 
 def generate(directory: Path, tokens: list[int], steps: int, qdq_level: int | None = None) -> tuple[np.ndarray, list[int]]:
@@ -347,71 +332,3 @@ def test_cli_refuses_bad_directories(untied, tmp_path, capsys) -> None:
     for args, message in cases:
         code, _, err = cli([*args, "--bits", "4"], capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
-
-
-def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
-    """MatMulNBits runs many times slower on unpacked weights: a quantized export pre-packs its prefill
-    layers too (the fp32 export reads them in place and releases them after each run). A paired (fast)
-    export runs both variants of a layer in one pre-packed session, whatever --prefill-weights says."""
-    from edgellm.runtime import Generator
-    from edgellm.runtime.session import SessionConfig
-
-    _, src = tied
-    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
-    split = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
-    # (export, --prefill-weights as SessionConfig.prepack_prefill, whether prefill layers pre-pack)
-    for directory, choice, packed in ((src, None, False), (split, None, True), (split, False, False),
-                                      (src, True, True), (q, None, True), (q, False, True)):
-        config = SessionConfig(threads=1, prepack_prefill=choice, stack=False)
-        engine = Generator.open(directory, config=config).engine
-        # the layers' bound graphs (decode: embed, layers, head; prefill: embed, layers) share sessions iff paired
-        shared = [d.session is p.session for d, p in zip(engine.decode.graphs[1:-1], engine.prefill.graphs[1:],
-                                                         strict=True)]
-        assert set(shared) == {directory == q}, directory.name
-        for name, place in engine.placement.items():
-            if name.startswith("layer_") and name.endswith(".prefill"):
-                assert place.prepack == packed and (place.release == ()) == packed, (directory.name, name)
-
-
-def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
-    """A fast export's stack graph (embedding + every layer in one session: 2 runs per decoded token, not
-    N + 2) gives the runtime the logits its layer graphs give, through prefill chunks and decode steps."""
-    from edgellm.runtime import Generator
-    from edgellm.runtime.session import SessionConfig
-
-    _, src = tied
-    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
-    portable = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
-    assert not read_manifest(src).has_stack and not read_manifest(portable).has_stack   # fast exports only
-    stacked = Generator.open(q, config=SessionConfig(threads=1)).engine
-    layered = Generator.open(q, config=SessionConfig(threads=1, stack=False)).engine
-    assert [g.where for g in stacked.decode.graphs] == ["stack.decode", "head.decode"]
-    assert [g.where for g in stacked.prefill.graphs] == ["stack.prefill"]
-    assert stacked.prefill.graphs[0].session is stacked.decode.graphs[0].session       # one packed copy
-    assert len(layered.decode.graphs) == read_manifest(q).n_layers + 2
-    prompt = [(7 * i + 3) % 200 + 4 for i in range(2 * read_manifest(q).prefill_chunk + 3)]
-    rows = {}
-    for name, engine in (("stack", stacked), ("layers", layered)):
-        got = [engine.forward(prompt).copy()]
-        for _ in range(6):
-            got.append(engine.forward([int(got[-1].argmax())]).copy())
-        rows[name] = np.stack(got)
-    assert np.abs(rows["stack"] - rows["layers"]).max() <= 1e-5 * max(1.0, float(np.abs(rows["layers"]).max()))
-    assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
-
-
-def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
-    """`edgellm info` on an export: its layout, precision and the graphs `edgellm run` executes per token."""
-    _, src = tied
-    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
-    assert main(["info", str(src)]) == 0
-    fp32 = capsys.readouterr().out
-    assert main(["info", str(q)]) == 0
-    int4 = capsys.readouterr().out
-    assert "format: edgellm-export 4" in fp32 and "precision: fp32" in fp32
-    assert "per decoded token: embed.decode + layer_0..1.decode + head.decode (4 runs)" in fp32
-    assert "max relative |onnx - torch|" in fp32
-    assert "precision: int4 g32 sym rtn, format fast (accuracy level 4), lm_head int4, embeddings int8" in int4
-    assert "per decoded token: stack.decode + head.decode (2 runs" in int4
-    sizes = [line for line in int4.splitlines() if line.startswith("size: ")]
-    assert len(sizes) == 1 and float(sizes[0].split()[1]) > 0
