@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from onnxruntime import InferenceSession
 
 
+def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
+    """Whether an Engine runs the export's stack graph (quant/stacking.py) rather than embed + layers."""
+    return manifest.granularity == "layer" and manifest.has_stack and config.stack
+
+
 class _Variant:
     """Buffers and bound graphs for one sequence length S."""
 
@@ -78,7 +83,7 @@ class Engine:
         self.directory, self.manifest, self.cache, self.clock = Path(directory), manifest, cache, clock
         self.config = config
         self.layered = manifest.granularity == "layer"
-        self.stacked = self.layered and manifest.has_stack and config.stack  # see quant/stacking.py
+        self.stacked = runs_stack(manifest, config)
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from edgellm.runtime.engine import runs_stack
 from edgellm.runtime.manifest import FORMAT, MANIFEST, Manifest, read_manifest
+from edgellm.runtime.session import SessionConfig
 
 
 def is_export(path: Path) -> bool:
@@ -29,7 +31,7 @@ def _per_token(m: Manifest) -> str:
     """The graphs the runtime runs per decoded token (runtime.engine, default SessionConfig)."""
     if m.granularity == "model":
         return "model.decode (1 run)"
-    if m.has_stack:
+    if runs_stack(m, SessionConfig()):
         return "stack.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`)"
     return f"embed.decode + layer_0..{m.n_layers - 1}.decode + head.decode ({m.n_layers + 2} runs)"
 
