@@ -4,8 +4,8 @@ Per unit (head, embed, layer_i | model), both variants: load the graph with its 
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
 bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
-(pairing.py; manifest format 3), and the embedding and all layers once more as one paired stack graph
-that reads the same data files (stacking.py; format 4). The plan's memo quantizes each weight once; it is kept from the head into
+(pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
+paired stack graph that reads the same data files (stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
 the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
 copied, every file hashed, an optional check of the logits against the fp32 export, manifest.json written
 last, and the directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from edgellm import __version__
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
-from edgellm.runtime.graphio import SELECTOR, graph_io, graph_paths
+from edgellm.runtime.graphio import graph_io, graph_paths
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
 
 from .awq import Migrator
@@ -161,7 +161,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
-    """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one If graph
+    """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
     (pairing.py: one session, one packed copy of the weights at run time)."""
     store = DataStore(tmp)
     graphs: list[GraphSpec] = []
@@ -189,8 +189,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                 if paired and specs[0].role == "layer" and len(done) == 2:
                     (p, pm), (d, dm) = sorted(done, key=lambda x: -x[0].seq)
                     (tmp / f"{stem}.onnx").write_bytes(pair_layer(pm, dm).SerializeToString())
-                    done = [(dataclasses.replace(g, file=f"{stem}.onnx", paired=True,
-                                                 inputs=g.inputs + (SELECTOR,)), None) for g in (p, d)]
+                    done = [(dataclasses.replace(g, file=f"{stem}.onnx", paired=True), None) for g in (p, d)]
                 for g, model in done:
                     if model is not None:
                         (tmp / g.file).write_bytes(model.SerializeToString())
@@ -215,7 +214,7 @@ def _write_stack(tmp: Path, manifest: Manifest, stackable: dict[int, list[onnx.M
     for seq in (manifest.prefill_chunk, 1):
         inputs, outputs = graph_io("stack", seq, None, manifest.dims)
         specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
-                               inputs + (SELECTOR,), outputs, paired=True))
+                               inputs, outputs, paired=True))
     return specs
 
 

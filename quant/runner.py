@@ -110,7 +110,7 @@ class ExportRunner:
         if key not in self.graphs:  # an S = 1 graph, opened the first time the call plan needs it
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
-        out = graph.run(feeds | selector_feeds(spec.paired, key[2]))
+        out = graph.run(feeds | selector_feeds(spec.selector, key[2]))
         for weight, act in graph.weights.items():
             x = out[act]
             x = x.reshape(-1, x.shape[-1])

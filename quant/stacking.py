@@ -1,4 +1,4 @@
-"""The embedding and every layer of an in-place export as one graph (manifest format 4, role "stack").
+"""The embedding and every layer of an in-place export as one graph (manifest format 4+, role "stack").
 
 Why: a decoded token ran N + 2 onnxruntime sessions (embed, N layers, head), each Run with its fixed cost
 (execution frame, thread-pool dispatch, Python binding). Measured on the stories110M shape (12 layers, int4,
@@ -13,7 +13,7 @@ The stack is built from the quantized layer graphs themselves, so it computes ex
   nodes    the embed graph's, then each layer's, values renamed `embed/...`, `layer_3/...`; layer i+1 reads
            layer i's hidden_out
 Weights keep their external-data references (embed.data, layer_i.data): no byte is written twice. Its two
-variants are paired like a layer's (pairing.py). The head stays its own graph: it runs on one row only.
+variants are merged into one graph like a layer's (pairing.py). The head stays its own graph: it runs on one row only.
 """
 
 from __future__ import annotations

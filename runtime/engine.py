@@ -161,7 +161,7 @@ class Engine:
             outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
                        f"present_value.{i}": present[1]}
             session, spec = self._session("layer", seq, i)
-            inputs |= selector_feeds(spec.paired, seq)
+            inputs |= selector_feeds(spec.selector, seq)
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.hidden_out = hidden[m.n_layers % 2]
 
@@ -175,7 +175,7 @@ class Engine:
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
         session, spec = self._session("stack", seq)
-        inputs |= selector_feeds(spec.paired, seq)
+        inputs |= selector_feeds(spec.selector, seq)
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
 
     # ------------------------------------------------------------------------------------------ running

@@ -55,14 +55,14 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dim
     return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq, kv_layout)
 
 
-# A paired graph file holds both variants of one layer as the two branches of an `If` on this input (true:
-# the S = 1 branch), so one session, and one pre-packed copy of the weights, serves prefill and decode.
+# A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
+# this input (true: the S = 1 branch). Format 5's paired graphs are one graph with S symbolic: no selector.
 SELECTOR = TensorSpec("decode", (), "bool")
 
 
-def selector_feeds(paired: bool, seq: int) -> dict:
-    """The extra feed a graph variant needs: {"decode": bool array} for a paired graph, else nothing."""
-    return {SELECTOR.name: np.array(seq == 1)} if paired else {}
+def selector_feeds(selector: bool, seq: int) -> dict:
+    """The extra feed a graph variant needs: {"decode": bool array} for a graph with a selector, else nothing."""
+    return {SELECTOR.name: np.array(seq == 1)} if selector else {}
 
 
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
@@ -106,12 +106,12 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
 
 
-def check_io(role: str, seq: int, layer: int | None, paired: bool,
+def check_io(role: str, seq: int, layer: int | None, selector: bool,
              io: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], dims: Dims, where: str) -> None:
-    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order), plus the selector
-    when paired; EdgeError naming `where` and the tensor otherwise."""
+    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order), plus `decode` for a
+    graph with a selector; EdgeError naming `where` and the tensor otherwise."""
     want_in, want_out = graph_io(role, seq, layer, dims)
-    want_in += (SELECTOR,) if paired else ()
+    want_in += (SELECTOR,) if selector else ()
     for side, got, want in (("inputs", io[0], want_in), ("outputs", io[1], want_out)):
         need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
              f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")

@@ -12,6 +12,8 @@ readers accept exactly the versions listed):
   4  adds the optional role "stack" (granularity "layer", kv_layout "inplace"): the embedding and every layer
      in one graph (tokens -> hidden_out, every cache), both variants or neither; the runtime prefers it to
      the embed + layer graphs, which stay for per-layer diffs. Versions 1-3 have none.
+  5  a paired graph is one graph whose S dim is symbolic, run as is by both variants (no `If`, no `decode`
+     input; quant/pairing.py). Versions 3-4 paired graphs keep their `decode` selector.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -27,14 +29,14 @@ from pathlib import Path
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, Dims, TensorSpec, check_io, dims_from_config
+from .graphio import KV_LAYOUTS, SELECTOR, Dims, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 4
-READS = (1, 2, 3, 4)  # the versions this reader accepts
+FORMAT_VERSION = 5
+READS = (1, 2, 3, 4, 5)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
@@ -54,7 +56,12 @@ class GraphSpec:
                               # graph reads the embed and layer data files: null
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    paired: bool = False      # the file holds both variants (format 3); `decode` selects this one
+    paired: bool = False      # the file holds both variants (format 3; format 5: one graph, S symbolic)
+
+    @property
+    def selector(self) -> bool:
+        """Whether the graph takes the bool input `decode` (a format 3-4 paired graph: an `If` per variant)."""
+        return self.paired and any(t.name == SELECTOR.name for t in self.inputs)
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ class Manifest:
             seen[key] = g.name
             for rel in (g.file, g.data):
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
-            check_io(g.role, g.seq, g.layer, g.paired, (g.inputs, g.outputs), dims, where)
+            check_io(g.role, g.seq, g.layer, g.selector, (g.inputs, g.outputs), dims, where)
             if g.paired:  # the other variant of this layer names the same files
                 need(g.role in ("layer", "stack") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
                      f"{where}.paired: only layer or stack graphs of an 'inplace' export with prefill_chunk > 1")
@@ -281,5 +288,10 @@ def _parse(doc: object) -> Manifest:
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
     fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
+    for i, g in enumerate(fields["graphs"]):  # versions 3-4 select a paired graph's variant by `decode`
+        need(g.paired == g.selector or version >= 5, f"graphs[{i}] ({g.name}): a paired graph of format_version "
+                                                     f"{version} takes the input 'decode'")
+        need(not g.selector or version < 5, f"graphs[{i}] ({g.name}): input 'decode' is format 3-4's, this "
+                                            f"manifest says {version}")
     fields["files"] = {rel: FileSpec(**checked(f, _FILE, f"files[{rel!r}]")) for rel, f in d["files"].items()}
     return Manifest(**fields)

@@ -71,7 +71,7 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
             hidden, k, v = sess[f"layer_{i}.{kind}"].run(
                 ["hidden_out", f"present_key.{i}", f"present_value.{i}"],
                 {"hidden": hidden, **position, f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i],
-                 **selector_feeds(manifest.graph("layer", seq, i).paired, seq)})
+                 **selector_feeds(manifest.graph("layer", seq, i).selector, seq)})
             cache.write_present(i, layout, k, v, n)
         logits = sess[f"head.{kind}"].run(["logits"], {"hidden": hidden})[0]
     cache.advance(n)

@@ -70,7 +70,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 4
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 5
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -105,28 +105,35 @@ def test_version_2_reads_as_unpaired(tmp_path: Path) -> None:
     assert not any(g.paired for g in read_manifest(tmp_path).graphs)
 
 
-def pair_layer_0(doc: dict, variants: tuple[int, ...] = (4, 1), selector: bool = True) -> None:
-    """Edit a manifest so that layer 0's variants (by S) name one paired file."""
+def pair_layer_0(doc: dict, variants: tuple[int, ...] = (4, 1), selector: bool = False) -> None:
+    """Edit a manifest so that layer 0's variants (by S) name one paired file (`selector`: with format 3-4's
+    `decode` input)."""
     for g in doc["graphs"]:
         if g["role"] == "layer" and g["layer"] == 0 and g["seq"] in variants:
             g.update(paired=True, file="layer_0.decode.onnx")
-            g["inputs"].append({"name": "decode", "shape": [], "dtype": "bool"} if selector else g["inputs"][0])
+            g["inputs"] += [{"name": "decode", "shape": [], "dtype": "bool"}] if selector else []
 
 
 def test_paired_graphs(tmp_path: Path) -> None:
+    """Format 5: a paired layer is one file for both variants; format 3-4's paired graphs take `decode`."""
     make_export(tmp_path, kv_layout="inplace")
     edit(tmp_path, pair_layer_0)
     got = read_manifest(tmp_path)
     pair = [g for g in got.graphs if g.paired]
-    assert [(g.name, g.file, g.inputs[-1].name) for g in pair] == [
-        ("layer_0.prefill", "layer_0.decode.onnx", "decode"), ("layer_0.decode", "layer_0.decode.onnx", "decode")]
+    assert [(g.name, g.file, g.selector) for g in pair] == [
+        ("layer_0.prefill", "layer_0.decode.onnx", False), ("layer_0.decode", "layer_0.decode.onnx", False)]
     assert Manifest.from_json(got.to_json()) == got
+    make_export(tmp_path / "v4", kv_layout="inplace")
+    edit(tmp_path / "v4", lambda d: (pair_layer_0(d, selector=True), d.update(format_version=4)))
+    assert [g.selector for g in read_manifest(tmp_path / "v4").graphs if g.paired] == [True, True]
+    edit(tmp_path / "v4", lambda d: d.update(format_version=5))
+    rejects(tmp_path / "v4", r"\(layer_0\.prefill\): input 'decode' is format 3-4's, this manifest says 5")
+    make_export(tmp_path / "nosel", kv_layout="inplace")
+    edit(tmp_path / "nosel", lambda d: (pair_layer_0(d), d.update(format_version=3)))
+    rejects(tmp_path / "nosel", r"\(layer_0\.prefill\): a paired graph of format_version 3 takes the input 'decode'")
     make_export(tmp_path / "one", kv_layout="inplace")
     edit(tmp_path / "one", lambda d: pair_layer_0(d, variants=(1,)))
     rejects(tmp_path / "one", r"graphs\[3\] \(layer_0\.decode\)\.paired: the other variant of layer 0 must be paired")
-    make_export(tmp_path / "nosel", kv_layout="inplace")
-    edit(tmp_path / "nosel", lambda d: pair_layer_0(d, selector=False))
-    rejects(tmp_path / "nosel", r"layer_0.prefill\)\.inputs: expected names .*'decode'")
     make_export(tmp_path / "rows")
     edit(tmp_path / "rows", pair_layer_0)
     rejects(tmp_path / "rows", r"\.paired: only layer or stack graphs of an 'inplace' export")
@@ -140,13 +147,13 @@ def add_stack(doc: dict, variants: tuple[int, ...] = (4, 1), file: str = "stack.
         tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}  # noqa: E731
         doc["graphs"].append({"name": f"stack.{'decode' if seq == 1 else 'prefill'}", "role": "stack", "layer": None,
                               "seq": seq, "file": file, "data": None, "paired": True,
-                              "inputs": [tensor(t) for t in inputs] + [{"name": "decode", "shape": [], "dtype": "bool"}],
+                              "inputs": [tensor(t) for t in inputs],
                               "outputs": [tensor(t) for t in outputs]})
     doc["files"][file] = doc["files"]["layer_0.decode.onnx"]
 
 
 def test_stack_graphs(tmp_path: Path) -> None:
-    """Format 4: an optional stack graph (embedding + every layer), both variants paired in one file."""
+    """Format 4+: an optional stack graph (embedding + every layer), both variants paired in one file."""
     make_export(tmp_path, kv_layout="inplace")
     assert not read_manifest(tmp_path, verify=False).has_stack
     (tmp_path / "stack.onnx").write_bytes((tmp_path / "layer_0.decode.onnx").read_bytes())
@@ -181,7 +188,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4\)")
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4, 5\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

@@ -30,7 +30,6 @@ from edgellm.model import PRESETS, Decoder
 from edgellm.quant.awq import apply_group, find_groups
 from edgellm.quant.methods import quantize_weight
 from edgellm.quant.schemes import Scheme, dequantize
-from edgellm.runtime.graphio import SELECTOR
 from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
@@ -96,7 +95,7 @@ def check_variants(model: Decoder, src: Path, tmp: Path) -> None:
     for bits, group, fmt, sym in VARIANTS:
         exact = quantize(src, tmp / f"{bits}-{group}-{fmt}-exact", bits=bits, group_size=group, format=fmt,
                          symmetric=sym, accuracy_level=1 if fmt == "fast" else 4, lm_head="int8")
-        m = read_manifest(exact)     # fast exports pair each in-place layer's variants in one If graph
+        m = read_manifest(exact)     # fast exports pair each in-place layer's variants in one graph
         assert {g.paired for g in m.graphs if g.role == "layer"} <= {fmt == "fast" and m.kv_layout == "inplace"}
         got, new = generate(exact, PROMPT, STEPS, qdq_level=1)
         want = torch_logits(dequantized(model, bits, group, sym), PROMPT + new)
@@ -141,15 +140,15 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
     out8 = quantize(src, tmp_path / "q8", bits=8)
     assert tree_hash(src) == before                                  # the input export is only read
     fp32, m4, m8 = read_manifest(src), read_manifest(out4), read_manifest(out8)   # sha256 of every file
-    for m in (m4, m8):    # fast exports of in-place layers: each layer's variants in one paired If graph
-        assert [(g.name, g.inputs[:-1] if g.paired else g.inputs, g.outputs) for g in m.graphs
+    for m in (m4, m8):    # fast exports of in-place layers: each layer's variants in one paired graph
+        assert [(g.name, g.inputs, g.outputs) for g in m.graphs
                 if g.role != "stack"] == [(g.name, g.inputs, g.outputs) for g in fp32.graphs]
         # ... and the embedding + every layer once more as the stack graph, paired in stack.onnx
         stack = [g for g in m.graphs if g.role == "stack"]
-        assert [(g.name, g.file, g.data, g.paired, g.inputs[-1]) for g in stack] == [
-            ("stack.prefill", "stack.onnx", None, True, SELECTOR), ("stack.decode", "stack.onnx", None, True, SELECTOR)]
+        assert [(g.name, g.file, g.data, g.paired, g.selector) for g in stack] == [
+            ("stack.prefill", "stack.onnx", None, True, False), ("stack.decode", "stack.onnx", None, True, False)]
         layers = [g for g in m.graphs if g.role == "layer"]
-        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and g.inputs[-1] == SELECTOR for g in layers)
+        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and not g.selector for g in layers)
         assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
@@ -185,15 +184,13 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
 
 
 def ops(path: Path) -> dict[str, list]:
-    """op type -> [bits attribute or initializer dtype of the weight input] per node of interest; of a paired
-    layer graph (`layer_i.onnx`), its decode branch."""
+    """op type -> [bits attribute or initializer dtype of the weight input] per node of interest (a paired
+    layer graph, `layer_i.onnx`, for its decode variant)."""
     if not path.exists() and path.name.endswith(".decode.onnx"):
         path = path.with_name(path.name.replace(".decode.onnx", ".onnx"))
     model = onnx.load(path, load_external_data=False)
     inits = {t.name: t.data_type for t in model.graph.initializer}
     nodes = list(model.graph.node)
-    if [n.op_type for n in nodes] == ["If"]:
-        nodes = list(next(a.g for a in nodes[0].attribute if a.name == "then_branch").node)
     found: dict[str, list] = {}
     for n in nodes:
         if n.op_type == "MatMulNBits":

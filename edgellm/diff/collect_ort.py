@@ -65,7 +65,7 @@ class ExportRunner:
     def _run(self, role: str, seq: int, layer: int | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec = self.manifest.graph(role, seq, layer)
         names = [t.name for t in spec.outputs]
-        feeds = feeds | selector_feeds(spec.paired, seq)
+        feeds = feeds | selector_feeds(spec.selector, seq)
         return dict(zip(names, self._session(spec).run(names, feeds), strict=True))
 
     def step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None = None) -> np.ndarray:
