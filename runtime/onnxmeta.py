@@ -19,9 +19,9 @@ import numpy as np
 
 from .errors import EdgeError, need
 
-# ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.op_type = 4, .attribute = 5;
-# AttributeProto.g = 6, .graphs = 11 (an If's branches, a Loop's body); TensorProto fields:
-_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _NODE_OP_TYPE = 7, 1, 5, 4
+# ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.input = 1, .op_type = 4,
+# .attribute = 5; AttributeProto.g = 6, .graphs = 11 (an If's branches, a Loop's body); TensorProto fields:
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _NODE_INPUT, _NODE_OP_TYPE = 7, 1, 5, 1, 4
 _NODE_ATTRIBUTE, _ATTR_GRAPH, _ATTR_GRAPHS = 5, 6, 11
 _T_DIMS, _T_DATA_TYPE, _T_NAME, _T_EXTERNAL_DATA, _T_DATA_LOCATION = 1, 2, 8, 13, 14
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
@@ -109,6 +109,12 @@ def _tensor(buf: memoryview, start: int, end: int) -> ExternalTensor | None:
     return ExternalTensor(name, tuple(dims), data_type, entries["location"], offset, length)
 
 
+def _inputs(buf: memoryview, start: int, end: int) -> list[str]:
+    """The input names of one NodeProto."""
+    return [bytes(buf[v[0]:v[1]]).decode("utf-8") for f, w, v in _fields(buf, start, end)
+            if f == _NODE_INPUT and w == 2]
+
+
 def _op_types(buf: memoryview, start: int, end: int, depth: int = 0) -> list[str]:
     """The op_type of one NodeProto and of every node in its subgraphs (an If's branches)."""
     need(depth < 8, "subgraphs nested too deep")
@@ -129,6 +135,9 @@ def _op_types(buf: memoryview, start: int, end: int, depth: int = 0) -> list[str
 class GraphInfo:
     external: list[ExternalTensor]  # initializers of the main graph stored in external files
     op_types: frozenset[str]        # op types of the main graph's nodes and of their subgraphs
+    # initializers the main graph reads only as a Gather's table (input 0): an embedding lookup touches a few
+    # rows per step, so its pages are worth releasing between runs (placement.plan)
+    gathered: frozenset[str] = frozenset()
 
 
 def read_graph_info(path: Path) -> GraphInfo:
@@ -139,6 +148,8 @@ def read_graph_info(path: Path) -> GraphInfo:
     try:
         external: list[ExternalTensor] = []
         ops: set[str] = set()
+        tables: set[str] = set()  # Gather's input 0
+        other: set[str] = set()   # every other input of a main-graph node
         for field, wire, value in _fields(buf, 0, len(buf)):
             if field != _MODEL_GRAPH or wire != 2:
                 continue
@@ -148,8 +159,14 @@ def read_graph_info(path: Path) -> GraphInfo:
                     if tensor is not None:
                         external.append(tensor)
                 elif gfield == _GRAPH_NODE and gwire == 2:
-                    ops.update(_op_types(buf, *gvalue))
-        return GraphInfo(external, frozenset(ops))
+                    types = _op_types(buf, *gvalue)
+                    ops.update(types)
+                    inputs = _inputs(buf, *gvalue)
+                    if types[:1] == ["Gather"] and inputs:
+                        tables.add(inputs[0])
+                        inputs = inputs[1:]
+                    other.update(inputs)
+        return GraphInfo(external, frozenset(ops), frozenset(tables - other))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:
         raise EdgeError(f"{path}: not a readable ONNX model ({err})") from None
 

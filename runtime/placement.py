@@ -15,9 +15,16 @@ onnxruntime cannot share a pre-packed copy between two sessions from Python. So 
   read everything in place, unpacked (one copy); quantized graphs pre-pack both variants (their kernels need
   the packed layout), i.e. two copies of the (small) quantized weights.
 
-A paired graph (manifest format 3: both variants of a layer in one file, quantize's default) is one session,
+A paired graph (manifest format 3+: both variants of a layer in one file, quantize's default) is one session,
 placed like a decode graph: one packed copy serves both, and `--prefill-weights` does not apply to it. So is
-the stack (format 4: embedding + every layer, paired; quantized exports only, so it is always pre-packed).
+the stack (format 4+: embedding + every layer, paired; quantized exports only, so it is always pre-packed).
+
+Lookup tables (initializers a graph reads only as a Gather's table: the embedding) always come from the
+shared map, pre-packed graph or not, and their files are released every few steps (`Engine`): a step reads
+one row, but the kernel maps the page-cache folio around it, up to 2 MB on kernels with large folios (6.18
+here), so a mapped table grew the RSS by ~0.5 MB per new token (Qwen2.5-0.5B int4: +90 MB over 192 tokens,
+the int8 table being 136 MB; fp32 tables are 4x that). Unless another graph reads the file in place (a tied
+fp32 head), which keeps it resident anyway.
 
 `SessionConfig.prepack_prefill` (`--prefill-weights`) overrides the prefill choice: True pre-packs every
 prefill graph (faster prefill, a second copy in RAM), False none (quantized Qwen2-0.5B shape, int4: peak RSS
@@ -47,8 +54,15 @@ QUANTIZED_OPS = frozenset({"MatMulNBits", "DequantizeLinear", "MatMulInteger", "
 @dataclass(frozen=True)
 class Placement:
     info: GraphInfo
-    prepack: bool                # onnxruntime pre-packs (and loads the data itself)
+    prepack: bool                # onnxruntime pre-packs (and loads the data itself, lookup tables aside)
     release: tuple[str, ...]     # data files (relative paths) to release from RSS after each run
+    tables: tuple[str, ...] = ()  # lookup-table files (read only by Gather) to release every few runs
+
+    @property
+    def mapped(self) -> frozenset[str]:
+        """The external initializers the runtime hands this graph's session from its shared maps: all of them
+        when the graph reads its weights in place, only the lookup tables (Gather's) when it pre-packs."""
+        return frozenset(t.name for t in self.info.external) if not self.prepack else self.info.gathered
 
 
 def _stem(spec: GraphSpec) -> str:
@@ -89,11 +103,15 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None) -> d
             prepack[g.name] = quantized or not shared
         else:
             prepack[g.name] = quantized
-    # files some unpacked decode graph keeps reading in place must stay resident
-    kept = {rel for g in manifest.graphs if g.seq == 1 and not prepack[g.name] for rel in files[g.name]}
+    # files some unpacked decode graph keeps reading in place, other than as a lookup table, stay resident
+    kept = {t.location for g in manifest.graphs if g.seq == 1 and not prepack[g.name]
+            for t in infos[g.name].external if t.name not in infos[g.name].gathered}
     out = {}
     for g in manifest.graphs:
+        info = infos[g.name]
         resident = prepack[g.name] or g.seq == 1 or g.paired or not layered
-        release = () if resident else tuple(sorted(files[g.name] - kept))
-        out[g.name] = Placement(infos[g.name], prepack[g.name], release)
+        release = set() if resident else files[g.name] - kept
+        # files the graph reads only by Gather (an embedding table): see the module docstring
+        tables = files[g.name] - {t.location for t in info.external if t.name not in info.gathered} - kept
+        out[g.name] = Placement(info, prepack[g.name], tuple(sorted(release)), tuple(sorted(tables - release)))
     return out

@@ -107,12 +107,12 @@ class SharedWeights:
                 raise EdgeError(f"{path}: cannot map the weights ({err})") from None
         return self._maps[rel]
 
-    def add_to(self, options: ort.SessionOptions, graph_path: Path, info: GraphInfo) -> None:
-        """Register every external initializer of `graph_path` with `options` as a view of the shared map."""
+    def add_to(self, options: ort.SessionOptions, graph_path: Path, info: GraphInfo, names: frozenset[str]) -> None:
+        """Register the external initializers `names` of `graph_path` with `options` as views of the shared map."""
         base = Path(graph_path).parent
         for t in info.external:
             dtype = DTYPES.get(t.data_type)
-            if dtype is None:
+            if t.name not in names or dtype is None:
                 continue  # a type numpy lacks: onnxruntime loads this one itself
             rel = os.path.relpath(base / t.location, self.directory).replace(os.sep, "/")
             count = int(np.prod(t.shape, dtype=np.int64))
@@ -232,8 +232,7 @@ def open_placed(path: Path, spec: GraphSpec, where: Placement, config: SessionCo
     """Open a graph as its `Placement` says (pre-packed, or reading the shared weight maps) and check its
     declared I/O against the manifest: the one way the runtime, and the diff that mirrors it, open graphs."""
     options = session_options(config, where.prepack)
-    if not where.prepack:
-        weights.add_to(options, path, where.info)
+    weights.add_to(options, path, where.info, where.mapped)
     session = open_session(path, options)
     check_io(session, spec)
     return session

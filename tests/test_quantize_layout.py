@@ -71,6 +71,45 @@ def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
     assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
 
 
+def _mapped_kb(name: str) -> int:
+    """Resident kB of this process's mappings of files called `name` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header: range perms ... path
+            ours = head[-1].endswith("/" + name)
+        elif ours and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
+    """The embedding table is read only by Gather: the runtime hands it to the pre-packed stack from its own
+    map and drops its pages at most every `table_interval_s` (the kernel maps a large folio around each row
+    read, so a mapped table otherwise grows the RSS with every new token)."""
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+
+    _, src = tied
+    q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
+    engine = Generator.open(q, config=SessionConfig(threads=1)).engine
+    assert engine.placement["stack.decode"].tables == ("embed.data",) and engine.tables == ("embed.data",)
+    engine.forward(list(range(1, 12)))  # two prefill chunks
+
+    def resident(interval_s: float, steps: int) -> list[int]:
+        engine.table_interval_s = interval_s
+        out = []
+        for token in range(steps):
+            engine.forward([token + 1])
+            out.append(_mapped_kb("embed.data"))
+        return out
+
+    assert all(kb > 0 for kb in resident(3600.0, 4))  # the stack reads the table from the runtime's map
+    assert resident(0.0, 4) == [0] * 4               # and the runtime releases it
+    assert all(kb > 0 for kb in resident(3600.0, 4))
+
+
 def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
     """`edgellm info` on an export: its layout, precision and the graphs `edgellm run` executes per token."""
     _, src = tied

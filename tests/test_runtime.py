@@ -246,6 +246,9 @@ def test_graph_info_reader_agrees_with_onnx(llama):
                                                "length": str(t.length)}) for t in info.external]
         assert got == want and got
         assert info.op_types == {n.op_type for n in model.graph.node}
+        tables = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
+        others = {i for n in model.graph.node for i in n.input[n.op_type == "Gather":]}
+        assert info.gathered == tables - others and (spec.role != "embed") == (not info.gathered), spec.name
 
 
 SHARED_POOL = """
