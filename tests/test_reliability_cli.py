@@ -287,8 +287,8 @@ def _truncate_resealed(rel: str) -> Callable[[Path], None]:
 
 
 EXPORT_CASES = {  # id: (edit, text the one line must hold)
-    "version": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=5)),
-                "format_version 5 is not supported"),
+    "version": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=99)),
+                "format_version 99 is not supported"),
     "format": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format="other")), "format: expected"),
     "not-json": (_truncate("manifest.json", 0.5), "manifest.json: not valid JSON"),
     "missing-file": (lambda d: (d / "layer_1.data").unlink(), "layer_1.data: listed in files but missing"),
@@ -382,10 +382,10 @@ def test_every_verb_as_a_process_exits_2_with_one_line(tmp_path, ckpt, export):
                   "--preset gpt9"),
         "tokenizer": (["tokenizer", "encode", ckpt / "edgellm.json", "--text", "a"], "edgellm.json"),
         "export": (["export", bad, "-o", out], "not a checkpoint"),
-        "quantize": (["quantize", bad, "-o", out, "--bits", "4"], "format_version 5"),
+        "quantize": (["quantize", bad, "-o", out, "--bits", "4"], "format_version 99"),
         "run": (["run", export, "--prompt-ids", "1", "--top-k", "-1"], "--top-k"),
-        "bench": (["bench", bad], "format_version 5"),
-        "diff": (["diff", ckpt, bad, "-o", out], "format_version 5"),
+        "bench": (["bench", bad], "format_version 99"),
+        "diff": (["diff", ckpt, bad, "-o", out], "format_version 99"),
         "argparse": (["run", export, "--max-new-tokens", "many"], "--max-new-tokens"),
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "edgellm", *map(str, argv)], stdout=subprocess.PIPE,
