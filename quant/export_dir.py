@@ -4,8 +4,8 @@ Per unit (head, embed, layer_i | model), both variants: load the graph with its 
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
 bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
-(pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
-paired stack graph that reads the same data files (stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
+(export/pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
+paired stack graph that reads the same data files (export/stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
 the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
 copied, every file hashed, an optional check of the logits against the fp32 export, manifest.json written
 last, and the directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
@@ -24,20 +24,19 @@ import onnx
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.export.pairing import pair_layer
+from edgellm.export.stacking import check_stack, write_stack
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
-from edgellm.runtime.graphio import graph_io, graph_paths
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
 
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
 from .options import QuantizeOptions, logical_name, unmatched_keeps
-from .pairing import pair_layer
 from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
 from .rewrite import quantize_model
 from .runner import ExportRunner
-from .stacking import STACK_FILE, check_stack, stack_graphs
 from .storage import DataStore, prune_initializers
 from .tied import quantize_tied_gathers
 
@@ -162,7 +161,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
-    (pairing.py: one session, one packed copy of the weights at run time)."""
+    (export/pairing.py: one session, one packed copy of the weights at run time)."""
     store = DataStore(tmp)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
@@ -202,20 +201,8 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
     order = {g.name: i for i, g in enumerate(manifest.graphs)}
     graphs.sort(key=lambda g: order[g.name])
     if paired:
-        graphs += _write_stack(tmp, manifest, stackable)
+        graphs += write_stack(tmp, manifest, stackable)
     return graphs, reports
-
-
-def _write_stack(tmp: Path, manifest: Manifest, stackable: dict[int, list[onnx.ModelProto]]) -> list[GraphSpec]:
-    """stack.onnx (stacking.py) from the quantized embed and layer graphs of both variants, paired."""
-    variants = {seq: stack_graphs(models[0], models[1:]) for seq, models in stackable.items()}
-    (tmp / STACK_FILE).write_bytes(pair_layer(variants[manifest.prefill_chunk], variants[1]).SerializeToString())
-    specs = []
-    for seq in (manifest.prefill_chunk, 1):
-        inputs, outputs = graph_io("stack", seq, None, manifest.dims)
-        specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
-                               inputs, outputs, paired=True))
-    return specs
 
 
 def _opset(path: Path) -> int:

@@ -13,7 +13,7 @@ readers accept exactly the versions listed):
      in one graph (tokens -> hidden_out, every cache), both variants or neither; the runtime prefers it to
      the embed + layer graphs, which stay for per-layer diffs. Versions 1-3 have none.
   5  a paired graph is one graph whose S dim is symbolic, run as is by both variants (no `If`, no `decode`
-     input; quant/pairing.py). Versions 3-4 paired graphs keep their `decode` selector.
+     input; export/pairing.py). Versions 3-4 paired graphs keep their `decode` selector.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.

@@ -27,11 +27,12 @@ from onnx import helper
 
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import need
+from edgellm.runtime.graphio import graph_io, graph_paths
 from edgellm.runtime.kvcache import KVCache
-from edgellm.runtime.manifest import Manifest
+from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.session import RunClock, SessionConfig
 
-from .pairing import renamed_nodes
+from .pairing import pair_layer, renamed_nodes
 
 STACK_FILE = "stack.onnx"
 
@@ -87,6 +88,19 @@ def stack_graphs(embed: onnx.ModelProto, layers: list[onnx.ModelProto]) -> onnx.
     return helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                              ir_version=max(m.ir_version for m in (embed, *layers)),
                              producer_name=layers[0].producer_name, producer_version=layers[0].producer_version)
+
+
+def write_stack(directory: Path, manifest: Manifest, variants: dict[int, list[onnx.ModelProto]]) -> list[GraphSpec]:
+    """Write `stack.onnx` into `directory` from each variant's embed and layer graphs (S -> [embed, layer_0,
+    ...], the graphs as written there), both variants merged into one graph; return its two manifest entries."""
+    stacks = {seq: stack_graphs(models[0], models[1:]) for seq, models in variants.items()}
+    (directory / STACK_FILE).write_bytes(pair_layer(stacks[manifest.prefill_chunk], stacks[1]).SerializeToString())
+    specs = []
+    for seq in (manifest.prefill_chunk, 1):
+        inputs, outputs = graph_io("stack", seq, None, manifest.dims)
+        specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
+                               inputs, outputs, paired=True))
+    return specs
 
 
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
