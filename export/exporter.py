@@ -12,9 +12,11 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
+import onnx
 import torch
 from tqdm import tqdm
 
@@ -31,6 +33,7 @@ from .e2e import check_end_to_end
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .options import ExportOptions
+from .stacking import STACK_FILE, check_stack, write_stack
 from .unit import export_unit, variant_seqs
 
 SAMPLER_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.0)
@@ -100,17 +103,36 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification={**verification, "end_to_end": e2e})
+    if options.kv_layout == "inplace" and options.prefill_chunk > 1:
+        manifest = _add_stack(partial, manifest, options.seed)
 
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
-        for rel in files:
+        for rel in manifest.files:
             _link_or_move(partial / rel, tmp / rel)
         manifest.write(tmp)
     shutil.rmtree(partial, ignore_errors=True)
-    for line in summary(units, records, files, e2e, time.perf_counter() - start, out):
+    for line in summary(units, records, manifest, time.perf_counter() - start, out):
         log(line)
     return manifest
+
+
+def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
+    """`stack.onnx` (stacking.py): the embedding and every layer in one graph reading their data files, the
+    runtime's path (2 onnxruntime runs per token, every weight pre-packed once), checked through the runtime
+    against the layer graphs, which stay for `edgellm diff` and `--no-stack`."""
+    variants: dict[int, list[onnx.ModelProto]] = {}  # S -> embed, layer_0, ... (manifest order)
+    for g in manifest.graphs:
+        if g.role in ("embed", "layer"):
+            variants.setdefault(g.seq, []).append(onnx.load(str(partial / g.file), load_external_data=False))
+    specs = write_stack(partial, manifest, variants)
+    files = {**manifest.files, STACK_FILE: FileSpec(sha256_file(partial / STACK_FILE),
+                                                     (partial / STACK_FILE).stat().st_size)}
+    manifest = replace(manifest, graphs=manifest.graphs + tuple(specs), files=files)
+    tokens = np.random.default_rng(seed).integers(0, manifest.vocab_size, manifest.prefill_chunk + 4).tolist()
+    diff = check_stack(partial, manifest, tokens)
+    return replace(manifest, verification={**manifest.verification, "stack_vs_layers": diff})
 
 
 def _graph_specs(units: list[Unit], records: dict[str, UnitRecord], dims, seqs: list[int]) -> list[GraphSpec]:
@@ -122,9 +144,10 @@ def _graph_specs(units: list[Unit], records: dict[str, UnitRecord], dims, seqs: 
     return specs
 
 
-def summary(units: list[Unit], records: dict[str, UnitRecord], files: dict[str, FileSpec], e2e: float,
-            seconds: float, out: Path) -> list[str]:
+def summary(units: list[Unit], records: dict[str, UnitRecord], manifest: Manifest, seconds: float,
+            out: Path) -> list[str]:
     """The end-of-export table: unit, MB of its own files, max abs diff of each variant."""
+    files, e2e = manifest.files, manifest.verification["end_to_end"]
     lines = [f"{'graph':<12} {'MB':>9}  max |onnx - torch| per variant"]
     for unit in units:
         rec = records[unit.stem]
@@ -132,6 +155,9 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], files: dict[str, 
         diffs = "  ".join(f"{name.split('.')[-1]} {d:.2e}" for name, d in rec.verification.items())
         lines.append(f"{unit.stem:<12} {own / 1e6:>9.2f}  {diffs}")
     total = sum(f.bytes for f in files.values())
+    if STACK_FILE in files:
+        diff = manifest.verification["stack_vs_layers"]
+        lines.append(f"{'stack':<12} {files[STACK_FILE].bytes / 1e6:>9.2f}  {diff:.2e} (vs the layer graphs)")
     lines.append(f"{'end-to-end':<12} {'':>9}  {e2e:.2e} (chunked prefill + decode vs full forward)")
     lines.append(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB) in {seconds:.1f} s")
     return lines

@@ -35,6 +35,7 @@ from edgellm.runtime.session import RunClock, SessionConfig
 from .pairing import pair_layer, renamed_nodes
 
 STACK_FILE = "stack.onnx"
+STACK_TOLERANCE = 1e-4  # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
 
 
 def _unit(model: onnx.ModelProto, prefix: str, feeds: dict[str, str], keep: set[str],
@@ -104,9 +105,10 @@ def write_stack(directory: Path, manifest: Manifest, variants: dict[int, list[on
 
 
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
-    """Max |stack - layers| / max(1, max |layers|) of the runtime Engine's logits, the same tokens fed both
-    ways: all but `decode_steps` as a prompt (prefill variant), the rest one by one (decode variant). (Not
-    against the prefill-only ExportRunner: int4 kernels at S = 1 and S = chunk differ by ~1e-2 themselves.)"""
+    """Max |stack - layers| / max(1, max |layers|) of the runtime Engine's logits, refused above
+    STACK_TOLERANCE; the same tokens fed both ways: all but `decode_steps` as a prompt (prefill variant), the
+    rest one by one (decode variant). (Not against the prefill-only ExportRunner: int4 kernels at S = 1 and
+    S = chunk differ by ~1e-2 themselves.)"""
     n = len(tokens) - decode_steps
     need(n > 0, "internal: the stack check needs more tokens than decode steps")
     rows = []
@@ -117,4 +119,7 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
         rows.append(np.stack([engine.forward(list(tokens[:n])).copy()] +
                              [engine.forward([t]).copy() for t in tokens[n:]]))
         del engine
-    return float(np.abs(rows[0] - rows[1]).max() / max(1.0, float(np.abs(rows[1]).max())))
+    diff = float(np.abs(rows[0] - rows[1]).max() / max(1.0, float(np.abs(rows[1]).max())))
+    need(diff <= STACK_TOLERANCE, f"{directory}: the stack graph's logits differ from its layer graphs' by "
+                                  f"{diff:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
+    return diff

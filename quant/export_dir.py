@@ -42,7 +42,6 @@ from .tied import quantize_tied_gathers
 
 RECORD_VERSION = 1        # of the manifest's `quantization` object
 CHECK_TOKENS = 128        # positions compared against fp32 after quantizing (one sampled sequence)
-STACK_TOLERANCE = 1e-4    # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
 
 
 @dataclass
@@ -116,6 +115,8 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     need(src.is_dir(), f"{src}: not a directory (expected an edgellm export directory)")
     manifest = read_manifest(src)
     need(manifest.quantization is None, f"{src}: already quantized; quantize the fp32 export instead")
+    # the source's stack graph is not quantized: a fast export gets a new one built from its quantized graphs
+    manifest = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.role != "stack"))
     _check_paths(src, out)
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
@@ -221,10 +222,7 @@ def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
     need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
     if not new.has_stack:
         return comparison, None
-    diff = check_stack(tmp, new, tokens)
-    need(diff <= STACK_TOLERANCE, f"{tmp}: the stack graph's logits differ from its layer graphs' by {diff:.3g} "
-                                  f"(relative; expected <= {STACK_TOLERANCE:g})")
-    return comparison, diff
+    return comparison, check_stack(tmp, new, tokens)
 
 
 def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, WeightReport]],

@@ -61,7 +61,7 @@ def test_cli_export_writes_a_complete_manifest(cli_export):
     assert (out / "tokenizer.json").read_bytes() == (root / "tokenizer.json").read_bytes()
     assert m.sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0}
     assert m.quantization is None and m.export_options["prefill_chunk"] == 8
-    assert set(m.verification) == {g.name for g in m.graphs} | {"end_to_end"}
+    assert set(m.verification) == {g.name for g in m.graphs if g.role != "stack"} | {"end_to_end", "stack_vs_layers"}
     assert all(0 <= d < 1e-4 for d in m.verification.values())
     # exactly the listed files: no journal, no temp files; the partial directory is gone
     assert sorted(p.name for p in out.iterdir()) == sorted([*m.files, MANIFEST])
@@ -79,9 +79,14 @@ def test_graph_files_match_the_manifest(cli_export):
     out = root / "out"
     m = read_manifest(out)
     stems = ["embed", "layer_0", "layer_1", "head"]
-    assert sorted(g.file for g in m.graphs) == sorted(f"{s}.{v}.onnx" for s in stems for v in ("prefill", "decode"))
+    assert sorted(g.file for g in m.graphs) == sorted([f"{s}.{v}.onnx" for s in stems for v in ("prefill", "decode")]
+                                                      + ["stack.onnx"] * 2)
+    # the stack (the runtime's path: embedding + every layer in one graph, S symbolic) reads the units' data
+    stack = load_graph(out / "stack.onnx")
+    assert {loc for loc, _, _ in externals(stack).values()} == {g.data for g in m.graphs if g.role in ("embed", "layer")}
+    assert [v.name for v in stack.graph.input] == [t.name for t in m.graph("stack", 1).inputs]
     types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
-    for g in m.graphs:
+    for g in (g for g in m.graphs if g.role != "stack"):
         proto = load_graph(out / g.file)
         assert proto.ir_version == 10 and {o.domain: o.version for o in proto.opset_import}[""] == 20
         for got, want in ((proto.graph.input, g.inputs), (proto.graph.output, g.outputs)):

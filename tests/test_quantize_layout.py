@@ -45,30 +45,35 @@ def test_quantized_prefill_graphs_are_pre_packed(tied, tmp_path) -> None:
 
 
 def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
-    """A fast export's stack graph (embedding + every layer in one session: 2 runs per decoded token, not
-    N + 2) gives the runtime the logits its layer graphs give, through prefill chunks and decode steps."""
+    """The stack graph of an fp32 or fast export (embedding + every layer in one session: 2 runs per decoded
+    token, not N + 2) gives the runtime the logits its layer graphs give, through prefill chunks and decode
+    steps. The portable format keeps its layer graphs only (standard ops, one graph per layer)."""
     from edgellm.runtime import Generator
     from edgellm.runtime.session import SessionConfig
 
     _, src = tied
     q = quantize(src, tmp_path / "q4", bits=4, group_size=32)
     portable = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
-    assert not read_manifest(src).has_stack and not read_manifest(portable).has_stack   # fast exports only
-    stacked = Generator.open(q, config=SessionConfig(threads=1)).engine
-    layered = Generator.open(q, config=SessionConfig(threads=1, stack=False)).engine
-    assert [g.where for g in stacked.decode.graphs] == ["stack.decode", "head.decode"]
-    assert [g.where for g in stacked.prefill.graphs] == ["stack.prefill"]
-    assert stacked.prefill.graphs[0].session is stacked.decode.graphs[0].session       # one packed copy
-    assert len(layered.decode.graphs) == read_manifest(q).n_layers + 2
-    prompt = [(7 * i + 3) % 200 + 4 for i in range(2 * read_manifest(q).prefill_chunk + 3)]
-    rows = {}
-    for name, engine in (("stack", stacked), ("layers", layered)):
-        got = [engine.forward(prompt).copy()]
-        for _ in range(6):
-            got.append(engine.forward([int(got[-1].argmax())]).copy())
-        rows[name] = np.stack(got)
-    assert np.abs(rows["stack"] - rows["layers"]).max() <= 1e-5 * max(1.0, float(np.abs(rows["layers"]).max()))
-    assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
+    assert read_manifest(src).has_stack and not read_manifest(portable).has_stack
+    for directory in (src, q):
+        stacked = Generator.open(directory, config=SessionConfig(threads=1)).engine
+        layered = Generator.open(directory, config=SessionConfig(threads=1, stack=False)).engine
+        assert [g.where for g in stacked.decode.graphs] == ["stack.decode", "head.decode"]
+        assert [g.where for g in stacked.prefill.graphs] == ["stack.prefill"]
+        assert stacked.prefill.graphs[0].session is stacked.decode.graphs[0].session       # one packed copy
+        assert stacked.placement["stack.decode"].prepack and "layer_0.decode" not in stacked.placement
+        assert len(layered.decode.graphs) == read_manifest(directory).n_layers + 2
+        assert "stack.decode" not in layered.placement and layered.placement["layer_0.decode"].prepack
+        prompt = [(7 * i + 3) % 200 + 4 for i in range(2 * read_manifest(directory).prefill_chunk + 3)]
+        rows = {}
+        for name, engine in (("stack", stacked), ("layers", layered)):
+            got = [engine.forward(prompt).copy()]
+            for _ in range(6):
+                got.append(engine.forward([int(got[-1].argmax())]).copy())
+            rows[name] = np.stack(got)
+        scale = max(1.0, float(np.abs(rows["layers"]).max()))
+        assert np.abs(rows["stack"] - rows["layers"]).max() <= 1e-5 * scale, directory.name
+        assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
 
 
 def _mapped_kb(name: str) -> int:
@@ -119,7 +124,7 @@ def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
     assert main(["info", str(q)]) == 0
     int4 = capsys.readouterr().out
     assert "format: edgellm-export 5" in fp32 and "precision: fp32" in fp32
-    assert "per decoded token: embed.decode + layer_0..1.decode + head.decode (4 runs)" in fp32
+    assert "per decoded token: stack.decode + head.decode (2 runs" in fp32
     assert "max relative |onnx - torch|" in fp32
     assert "precision: int4 g32 sym rtn, format fast (accuracy level 4), lm_head int4, embeddings int8" in int4
     assert "per decoded token: stack.decode + head.decode (2 runs" in int4

@@ -294,7 +294,7 @@ EXPORT_CASES = {  # id: (edit, text the one line must hold)
     "missing-file": (lambda d: (d / "layer_1.data").unlink(), "layer_1.data: listed in files but missing"),
     "sha256": (_flip("layer_0.data"), "layer_0.data: sha256 differs from the manifest"),
     "truncated-data": (_truncate("head.data", 0.5), "head.data"),
-    "onnx-resealed": (_truncate_resealed("layer_0.decode.onnx"), "layer_0.decode.onnx"),
+    "onnx-resealed": (_truncate_resealed("stack.onnx"), "stack.onnx"),  # the graph run and bench run
     "unknown-key": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(extra=1)), "unknown key(s) ['extra']"),
 }
 
@@ -315,12 +315,11 @@ def test_corrupt_export_every_reader(tmp_path, capsys, ckpt, export, case):
 
 
 def test_corrupt_graph_with_a_valid_manifest_in_quantize(tmp_path, capsys, export):
-    edit, needle = EXPORT_CASES["onnx-resealed"]
-    bad = copy_with(export, tmp_path / "bad", edit)
+    bad = copy_with(export, tmp_path / "bad", _truncate_resealed("layer_0.decode.onnx"))  # quantize reads layers
     out = tmp_path / "out"
     for argv in (["quantize", bad, "-o", out, "--bits", "8", "--no-progress"],):
         try:
-            fails(capsys, argv, needle)
+            fails(capsys, argv, "layer_0.decode.onnx")
         except Exception as err:  # a traceback-worthy exception is this test's failure, not a crash
             raise AssertionError(f"{argv[0]}: {type(err).__name__}: {err}") from None
     assert not out.exists()
@@ -334,18 +333,18 @@ def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
 
 
 def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export):
-    """The decode graph of layer 0 declares seqlens_k [2]: sha256 and sizes match (resealed), so only a
+    """The stack graph (what `run` runs) declares seqlens_k [2]: sha256 and sizes match (resealed), so only a
     load-time shape check catches it - before a token is printed, naming the graph file."""
     def edit(d: Path) -> None:
-        path = d / "layer_0.decode.onnx"
+        path = d / "stack.onnx"
         model = onnx.load(str(path), load_external_data=False)
         (lengths,) = [i for i in model.graph.input if i.name == "seqlens_k"]
         lengths.type.tensor_type.shape.dim[0].dim_value = 2
         onnx.save(model, str(path))
-        reseal(d, "layer_0.decode.onnx")
+        reseal(d, "stack.onnx")
 
     bad = copy_with(export, tmp_path / "bad", edit)
-    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], "layer_0.decode.onnx", "seqlens_k")
+    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], "stack.onnx", "seqlens_k")
 
 
 # ----------------------------------------------------------------------------- sampling, prompt, context

@@ -205,27 +205,42 @@ def test_timings_and_memory_are_reported(llama):
 
 
 def test_weights_are_held_once(llama):
-    """Decode graphs pre-pack (onnxruntime's own copy); prefill graphs read the shared maps in place, and
-    release their pages after each run; every shared initializer is a view of a map, not a copy."""
+    """Layer graphs (`stack=False`, as `edgellm diff` runs them): decode graphs pre-pack (onnxruntime's own
+    copy); prefill graphs read the shared maps in place and release their pages after each run. The stack
+    (the default path) pre-packs every layer once for both variants and reads only the embedding table from a
+    map. Every shared initializer is a view of a map, not a copy."""
+    from edgellm.runtime.session import SessionConfig
+
     gen, _ = llama
-    where = gen.engine.placement
+    layered = Generator.open(gen.directory, config=SessionConfig(threads=1, stack=False))
+    where = layered.engine.placement
+    assert set(where) == {g.name for g in gen.manifest.graphs if g.role != "stack"}
     for g in gen.manifest.graphs:
-        assert where[g.name].prepack == (g.seq == 1), g.name  # untied: nothing else reads the decode weights
+        if g.role != "stack":
+            assert where[g.name].prepack == (g.seq == 1), g.name  # untied: nothing else reads the decode weights
         if g.seq > 1 and g.role == "layer":
             assert where[g.name].release == (g.data,)
-    weights = gen.engine.weights
-    assert sorted(weights._maps) == sorted({g.data for g in gen.manifest.graphs if g.seq > 1 and g.role != "head"})
-    for value in weights._values.values():
-        assert value.numpy().base is not None  # a view, not a copy
+    weights = layered.engine.weights
+    assert sorted(weights._maps) == sorted({g.data for g in gen.manifest.graphs if g.seq > 1 and g.role == "layer"}
+                                           | {"embed.data"})
+    for engine in (layered.engine, gen.engine):
+        for value in engine.weights._values.values():
+            assert value.numpy().base is not None  # a view, not a copy
+    where = gen.engine.placement
+    assert set(where) == {"stack.prefill", "stack.decode", "head.prefill", "head.decode"}
+    assert where["stack.decode"].prepack and where["stack.decode"].tables == ("embed.data",)
+    assert sorted(gen.engine.weights._maps) == ["embed.data"]
 
 
 @pytest.mark.slow
 def test_a_tied_table_is_read_in_place_by_embed_and_head(tmp_path_factory):
+    from edgellm.runtime.session import SessionConfig
+
     directory, model = tiny_export(tmp_path_factory, "qwen2", "layer")
-    gen = Generator.open(directory, threads=1)
-    where = gen.engine.placement
-    assert not where["head.decode"].prepack  # the embed graphs gather from the same table
-    assert "head.data" not in where["embed.prefill"].release  # the decode graphs keep reading it
+    for stack in (True, False):
+        where = Generator.open(directory, config=SessionConfig(threads=1, stack=stack)).engine.placement
+        assert not where["head.decode"].prepack  # the embedding gathers from the same table
+        assert all("head.data" not in p.release + p.tables for p in where.values())  # the head keeps reading it
     assert where["layer_0.decode"].prepack and where["layer_0.prefill"].release == ("layer_0.data",)
 
 
@@ -248,7 +263,8 @@ def test_graph_info_reader_agrees_with_onnx(llama):
         assert info.op_types == {n.op_type for n in model.graph.node}
         tables = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
         others = {i for n in model.graph.node for i in n.input[n.op_type == "Gather":]}
-        assert info.gathered == tables - others and (spec.role != "embed") == (not info.gathered), spec.name
+        assert info.gathered == tables - others, spec.name
+        assert (spec.role not in ("embed", "stack")) == (not info.gathered), spec.name
 
 
 SHARED_POOL = """

@@ -58,7 +58,7 @@ class ExportRunner:
         if key not in self._sessions:
             path = safe_join(self.directory, spec.file)
             if self._placement is None:  # placed exactly as the runtime places them
-                self._placement = plan(self.directory, self.manifest, self.config.prepack_prefill)
+                self._placement = plan(self.directory, self.manifest, self.config.prepack_prefill, stacked=False)
             self._sessions[key] = open_placed(path, spec, self._placement[spec.name], self.config, self._weights)
         return self._sessions[key]
 
