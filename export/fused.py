@@ -78,8 +78,11 @@ def _rms_norm(b: _Builder, x: str, weight: str, eps: float, clamp: bool) -> str:
     return b.op("Mul", [b.op("Div", [x, rms])[0], weight])[0]
 
 
-def _rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray, ...]:
-    """(cos, sin, q_scale, k_scale), each [max_seq, hd/2] per frequency (scales None without XPos)."""
+def rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray | None, ...]:
+    """(cos, sin, q_scale, k_scale), each [max_seq, hd/2] per frequency (scales None without XPos). Computed
+    once per layer for both variants: two torch calls on the same positions are not always bit-identical
+    (Qwen2.5-0.5B, rope_theta 1e6, 256 positions: rows 128+ differed by up to 1.5e-4 between calls), and the
+    variants must hold the same constants to merge into one graph (pairing.py)."""
     cfg = model.cfg
     cos, sin, q_scale, k_scale = model.rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
     def per_freq(t: torch.Tensor | None) -> np.ndarray | None:
@@ -90,9 +93,11 @@ def _rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray, ...]:
     return per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
 
 
-def build_layer(model: Decoder, layer: int, seq: int, max_seq: int, inputs: tuple[TensorSpec, ...],
-                outputs: tuple[TensorSpec, ...], opset: int) -> tuple[ir.Model, set[str]]:
+def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
+                inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
+                opset: int) -> tuple[ir.Model, set[str]]:
     """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
+    `tables`: `rope_tables(model, max_seq)`, the same arrays for every variant.
 
     `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
@@ -110,7 +115,7 @@ def build_layer(model: Decoder, layer: int, seq: int, max_seq: int, inputs: tupl
     qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _np(block.attn.qkv.weight).T, True)])[0]
     if cfg.qkv_bias:
         qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _np(block.attn.qkv.bias), True)])[0]
-    cos, sin, q_scale, k_scale = _rope_tables(model, max_seq)
+    cos, sin, q_scale, k_scale = tables
     separate = cfg.qk_norm or cfg.xpos  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
         sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))

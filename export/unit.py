@@ -18,7 +18,7 @@ from edgellm.runtime.fileio import sha256_file
 from edgellm.runtime.graphio import Dims
 
 from .datafile import DataFile, Ref
-from .fused import build_layer
+from .fused import build_layer, rope_tables
 from .graphs import Unit, example_inputs
 from .journal import UnitRecord
 from .options import ExportOptions
@@ -43,11 +43,13 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
                if n.startswith(unit.weight_prefixes)}
     data = DataFile(directory, f"{unit.stem}.data", known)
     graphs, ops, matmuls = [], {}, {}
+    fused = unit.role == "layer" and dims.kv_layout == "inplace"  # hand-built from fused kernels
+    tables = rope_tables(model, dims.max_seq) if fused else ()
     try:
         for seq in variant_seqs(options):
             name, file, _, inputs, outputs = unit.graph(seq, dims)
-            if unit.role == "layer" and dims.kv_layout == "inplace":  # hand-built from fused kernels
-                model_ir, names = build_layer(model, unit.layer, seq, dims.max_seq, inputs, outputs, options.opset)
+            if fused:
+                model_ir, names = build_layer(model, unit.layer, seq, tables, inputs, outputs, options.opset)
             else:
                 trace_in = example_inputs(inputs, dims, torch.Generator().manual_seed(0), 0)
                 model_ir = trace_graph(unit.module, trace_in, [o.name for o in outputs], options.opset, name)
