@@ -66,7 +66,9 @@ def add_prefill_weights_flag(p: argparse.ArgumentParser) -> None:
                    help="packed: the prefill graphs pre-pack their weights (fast prefill, a second packed copy in "
                         "RAM); mapped: they read the mapped file in place (lowest RSS, slower prefill); auto "
                         "(default): packed for quantized exports, whose kernels are many times slower unpacked. "
-                        "Paired layers and the stack graph (quantize's fast format) share one packed copy and ignore this")
+                        "The stack graph (default exports, fp32 and quantize's fast format) and paired layers hold one "
+                        "packed copy and ignore this: it applies to exports without them (e.g. --attention standard, "
+                        "--format portable)")
 
 
 def shared_pool(choice: str, verb: str) -> bool:
