@@ -121,7 +121,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
 def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
     """`stack.onnx` (stacking.py): the embedding and every layer in one graph reading their data files, the
     runtime's path (2 onnxruntime runs per token, every weight pre-packed once), checked through the runtime
-    against the layer graphs, which stay for `edgellm diff` and `--no-stack`."""
+    against the layer graphs, which stay for `edgellm diff` and `SessionConfig(stack=False)`."""
     variants: dict[int, list[onnx.ModelProto]] = {}  # S -> embed, layer_0, ... (manifest order)
     for g in manifest.graphs:
         if g.role in ("embed", "layer"):

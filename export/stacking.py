@@ -7,7 +7,8 @@ layer graphs run one by one; against onnxruntime-genai's single graph, bench/ort
 0.91-0.95x to 0.88-1.03x (noisy VM). Memory: the 0.5B shape's int4 peak RSS (bench) went from 827 to
 645 MB; its steady anonymous memory after loading from 556 to 452 MB (one session's state instead of 25).
 
-The stack is built from the quantized layer graphs themselves, so it computes exactly what they compute:
+The stack is built from the layer graphs themselves (the fp32 ones by `edgellm export`, the quantized ones by
+`edgellm quantize --format fast`), so it computes exactly what they compute:
   inputs   tokens [1, S], seqlens_k, total_len, past_key.i / past_value.i for every layer
   outputs  hidden_out [1, S, D] (the last layer's), present_key.i / present_value.i (written in place)
   nodes    the embed graph's, then each layer's, values renamed `embed/...`, `layer_3/...`; layer i+1 reads

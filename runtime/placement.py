@@ -108,8 +108,6 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
             prepack[g.name] = True
         elif g.seq > 1 and not g.paired:  # a paired prefill variant shares its decode variant's session
             prepack[g.name] = quantized if prepack_prefill is None else prepack_prefill
-        elif g.role == "stack":
-            prepack[g.name] = True
         elif layered:
             shared = any(len(readers[rel]) > 1 for rel in files[g.name])
             prepack[g.name] = quantized or not shared
