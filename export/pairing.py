@@ -79,8 +79,8 @@ def _s_free(name: str, decode: np.ndarray, prefill: np.ndarray, chunk: int, grap
 
 
 def pair_layer(prefill: onnx.ModelProto, decode: onnx.ModelProto) -> onnx.ModelProto:
-    """The one graph of a layer (or of the stack, stacking.py) that runs both variants, from its two (already
-    quantized, data placed) variant graphs."""
+    """The one graph of a layer (or of the stack, stacking.py) that runs both variants, from its two variant
+    graphs as written (fp32 or quantized; weights already in their data files)."""
     p, d = prefill.graph, decode.graph
     need([i.name for i in d.input] == [i.name for i in p.input] and
          [o.name for o in d.output] == [o.name for o in p.output],
