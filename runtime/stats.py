@@ -18,7 +18,18 @@ from dataclasses import asdict, dataclass
 
 
 def peak_rss_mb() -> float:
-    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS), in MiB."""
+    """This process's peak resident set size so far, in MiB. On Linux the kernel's high-water mark of this
+    process image (VmHWM in /proc/self/status), not ru_maxrss: a process started by fork + exec inherits its
+    parent's ru_maxrss (a child of a 500 MB process reported 513 MB for its own 13), so `edgellm run` started
+    from a training script or a notebook would report its launcher's peak. Elsewhere ru_maxrss (KiB; bytes on
+    macOS)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
