@@ -12,13 +12,14 @@ import contextlib
 import io
 import json
 import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from edgellm.runtime.errors import EdgeError
 
 DEFAULT_OUT = Path("out/demo")
-MAX_SEQ = 256
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +40,15 @@ def _stage(title: str, argv: list[str]) -> None:
 
     print(f"\n== {title}\n$ edgellm {shlex.join(argv)}", flush=True)
     code = main(argv)
+    if code != 0:
+        raise EdgeError(f"demo stage '{title}' failed (exit {code}); the command above reproduces it")
+
+
+def _stage_process(title: str, argv: list[str]) -> None:
+    """Run one verb in a fresh Python process, as a user on the board would: its stats line (peak RSS above
+    all) is then the runtime's own, in a process that never imported torch, not this training process's."""
+    print(f"\n== {title}\n$ edgellm {shlex.join(argv)}", flush=True)
+    code = subprocess.run([sys.executable, "-m", "edgellm", *argv], check=False).returncode
     if code != 0:
         raise EdgeError(f"demo stage '{title}' failed (exit {code}); the command above reproduces it")
 
@@ -93,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
     model, fp32, int8, int4, report = (str(out / n) for n in ("model", "fp32", "int8", "int4", "report"))
 
     _stage("export: static-KV ONNX graphs, verified against PyTorch",
-           ["export", model, "-o", fp32, "--max-seq", str(MAX_SEQ), "--prefill-chunk", "32"])
+           ["export", model, "-o", fp32])  # defaults: the model's context (<= 512), prefill chunks of 32
     _stage("quantize: int8 per channel", ["quantize", fp32, "-o", int8, "--bits", "8"])
     _stage("quantize: int4 block-wise (group 32, MSE-searched scales)",
            ["quantize", fp32, "-o", int4, "--bits", "4", "--group-size", "32", "--method", "mse"])
-    _stage("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch)",
-           ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k", "20",
-            "--seed", str(args.seed)])
+    _stage_process("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",
+                   ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k",
+                    "20", "--seed", str(args.seed)])
 
     print("\n== the same greedy continuation from each export:")
     for name, directory in (("fp32", fp32), ("int8", int8), ("int4", int4)):
