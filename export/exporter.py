@@ -23,7 +23,7 @@ from tqdm import tqdm
 from edgellm import __version__
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.fileio import FileSpec, atomic_dir, sha256_file
+from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
 from edgellm.runtime.graphio import dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
@@ -92,7 +92,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     if tok is not None:
         rel, kind = TOKENIZER_KINDS[tok.suffix]
         shutil.copyfile(tok, partial / rel)
-        files[rel] = FileSpec(sha256_file(partial / rel), (partial / rel).stat().st_size)
+        files |= describe_files(partial, [rel])
         tok_entry = {"file": rel, "kind": kind}
     verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
     manifest = Manifest(
@@ -127,9 +127,8 @@ def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
         if g.role in ("embed", "layer"):
             variants.setdefault(g.seq, []).append(onnx.load(str(partial / g.file), load_external_data=False))
     specs = write_stack(partial, manifest, variants)
-    files = {**manifest.files, STACK_FILE: FileSpec(sha256_file(partial / STACK_FILE),
-                                                     (partial / STACK_FILE).stat().st_size)}
-    manifest = replace(manifest, graphs=manifest.graphs + tuple(specs), files=files)
+    manifest = replace(manifest, graphs=manifest.graphs + tuple(specs),
+                       files=manifest.files | describe_files(partial, [STACK_FILE]))
     tokens = np.random.default_rng(seed).integers(0, manifest.vocab_size, manifest.prefill_chunk + 4).tolist()
     diff = check_stack(partial, manifest, tokens)
     return replace(manifest, verification={**manifest.verification, "stack_vs_layers": diff})

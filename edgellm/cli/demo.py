@@ -34,21 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _stage(title: str, argv: list[str]) -> None:
-    """Run one verb as `edgellm ARGV`, showing the command; a failing stage ends the demo."""
+def _stage(title: str, argv: list[str], own_process: bool = False) -> None:
+    """Run one verb as `edgellm ARGV`, showing the command; a failing stage ends the demo. `own_process`: in a
+    fresh Python process, as a user on the board would run it, so its stats line (peak RSS above all) is the
+    runtime's own, in a process that never imported torch, not this training process's."""
     from edgellm.cli import main
 
     print(f"\n== {title}\n$ edgellm {shlex.join(argv)}", flush=True)
-    code = main(argv)
-    if code != 0:
-        raise EdgeError(f"demo stage '{title}' failed (exit {code}); the command above reproduces it")
-
-
-def _stage_process(title: str, argv: list[str]) -> None:
-    """Run one verb in a fresh Python process, as a user on the board would: its stats line (peak RSS above
-    all) is then the runtime's own, in a process that never imported torch, not this training process's."""
-    print(f"\n== {title}\n$ edgellm {shlex.join(argv)}", flush=True)
-    code = subprocess.run([sys.executable, "-m", "edgellm", *argv], check=False).returncode
+    if own_process:
+        code = subprocess.run([sys.executable, "-m", "edgellm", *argv], check=False).returncode
+    else:
+        code = main(argv)
     if code != 0:
         raise EdgeError(f"demo stage '{title}' failed (exit {code}); the command above reproduces it")
 
@@ -107,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     _stage("quantize: int8 per channel", ["quantize", fp32, "-o", int8, "--bits", "8"])
     _stage("quantize: int4 block-wise (group 32, MSE-searched scales)",
            ["quantize", fp32, "-o", int4, "--bits", "4", "--group-size", "32", "--method", "mse"])
-    _stage_process("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",
-                   ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k",
-                    "20", "--seed", str(args.seed)])
+    _stage("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",
+           ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k", "20",
+            "--seed", str(args.seed)], own_process=True)
 
     print("\n== the same greedy continuation from each export:")
     for name, directory in (("fp32", fp32), ("int8", int8), ("int4", int4)):
