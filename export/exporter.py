@@ -21,23 +21,30 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
-from edgellm.model import Decoder, ModelConfig
+from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
 from edgellm.runtime.graphio import dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
-from edgellm.runtime.tokenizer import load_tokenizer
 
 from .e2e import check_end_to_end
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .options import ExportOptions
 from .stacking import STACK_FILE, check_stack, write_stack
+from .tokenizer_files import (
+    CHAT_TEMPLATE,
+    TOKENIZER_KINDS,
+    check_chat_template,
+    check_tokenizer,
+    eos_ids,
+    find_chat_template,
+    read_chat_template,
+)
 from .unit import export_unit, variant_seqs
 
 SAMPLER_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.0)
-TOKENIZER_KINDS = {".json": ("tokenizer.json", "hf"), ".bin": ("tokenizer.bin", "llama2c")}
 
 
 def _stderr(message: str) -> None:
@@ -45,8 +52,10 @@ def _stderr(message: str) -> None:
 
 
 def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: Path | None = None,
-                 log: Callable[[str], None] = _stderr, progress: bool = True) -> Manifest:
-    """Export, verify (every graph and end to end) and write `out`; returns the manifest written.
+                 log: Callable[[str], None] = _stderr, progress: bool = True,
+                 chat_template: Path | None = None) -> Manifest:
+    """Export, verify (every graph and end to end) and write `out`; returns the manifest written. The chat
+    template is `chat_template` (a .jinja or tokenizer_config.json) or else the one beside `tokenizer`.
 
     Leaves `model` in eval mode with its RoPE built for `options.max_seq` (what the graphs compute).
     """
@@ -56,7 +65,9 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     options.validate(cfg)
     need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
     _check_target(out)
-    tok = _check_tokenizer(tokenizer, cfg)
+    loaded_tok = check_tokenizer(tokenizer, cfg)
+    found = read_chat_template(chat_template) if chat_template is not None else find_chat_template(tokenizer)
+    template = check_chat_template(found, loaded_tok, cfg) if found is not None else None
     model.eval()
     model.set_context_len(options.max_seq)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
@@ -89,18 +100,20 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     files = {rel: FileSpec(sha, (partial / rel).stat().st_size)
              for rec in records.values() for rel, sha in rec.files.items()}
     tok_entry = None
-    if tok is not None:
-        rel, kind = TOKENIZER_KINDS[tok.suffix]
-        shutil.copyfile(tok, partial / rel)
-        files |= describe_files(partial, [rel])
-        tok_entry = {"file": rel, "kind": kind}
+    if tokenizer is not None:
+        rel, kind = TOKENIZER_KINDS[Path(tokenizer).suffix]
+        shutil.copyfile(tokenizer, partial / rel)
+        if template is not None:
+            (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+        files |= describe_files(partial, [rel] + ([CHAT_TEMPLATE] if template is not None else []))
+        tok_entry = {"file": rel, "kind": kind, "chat_template": CHAT_TEMPLATE if template is not None else None}
     verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
     manifest = Manifest(
         edgellm_version=__version__, preset=cfg.preset, config=cfg.to_dict(), granularity=options.granularity,
         kv_layout=options.kv_layout,
         max_seq=options.max_seq, prefill_chunk=options.prefill_chunk, opset=options.opset,
         graphs=tuple(_graph_specs(units, records, dims, seqs)), files=files, tokenizer=tok_entry,
-        bos_id=cfg.bos_id, eos_id=cfg.eos_id, sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
+        bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
@@ -169,19 +182,6 @@ def _check_target(out: Path) -> None:
     need(not out.exists() or out.is_dir(), f"-o {out}: exists and is not a directory")
     need(not out.exists() or (out / MANIFEST).is_file() or not any(out.iterdir()),
          f"-o {out}: exists and holds no {MANIFEST}; refusing to replace it (choose a new or empty directory)")
-
-
-def _check_tokenizer(path: Path | None, cfg: ModelConfig) -> Path | None:
-    if path is None:
-        return None
-    path = Path(path)
-    need(path.is_file(), f"{path}: tokenizer file not found")
-    need(path.suffix in TOKENIZER_KINDS, f"{path}: expected a tokenizer.json or tokenizer.bin")
-    # load it exactly as `edgellm run` will (Generator.open): a corrupt tokenizer, or one larger than the
-    # vocabulary, must fail here rather than ship inside an export that verifies but cannot run a prompt
-    ids = {} if path.suffix == ".bin" else {"bos_id": cfg.bos_id, "eos_id": cfg.eos_id}
-    load_tokenizer(path, cfg.vocab_size, **ids)
-    return path
 
 
 def _link_or_move(src: Path, dst: Path) -> None:

@@ -138,10 +138,10 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired)
         names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
         rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data})
-        if manifest.tokenizer is not None:
-            rel = manifest.tokenizer["file"]
-            shutil.copyfile(safe_join(src, rel), tmp / rel)
-            rels.append(rel)
+        if manifest.tokenizer is not None:  # the tokenizer file and its chat template, if any
+            for rel in filter(None, (manifest.tokenizer["file"], manifest.tokenizer["chat_template"])):
+                shutil.copyfile(safe_join(src, rel), tmp / rel)
+                rels.append(rel)
         files = describe_files(tmp, rels)
         opset = max(_opset(tmp / g.file) for g in graphs)
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,

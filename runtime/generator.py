@@ -15,10 +15,11 @@ Prompts: text is tokenized and BOS (the manifest's `bos_id`) is put in front whe
 empty; a list of token ids is used exactly as given (no BOS added) and needs no tokenizer. A prompt longer
 than the context is an error unless `truncate=True`, which keeps the last
 `max_seq - min(max_new_tokens, max_seq // 2)` tokens (room for the answer, but never less than half the
-context) and, if the prompt began with BOS, keeps that BOS in front.
+context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messages)` renders a conversation
+with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
-Generation stops on EOS (never part of `token_ids` or the text; `ignore_eos=True` turns this off for
-benchmarks), on a stop string (the text ends before it; its tokens are in `token_ids`), after
+Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
+`ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are in `token_ids`), after
 `max_new_tokens`, or when the static context is full ("length": the last token picked is returned but
 there is no cache row left to feed it).
 """
@@ -34,6 +35,7 @@ from time import perf_counter
 
 import numpy as np
 
+from .chat import ChatTemplate
 from .engine import Engine
 from .errors import EdgeError, need
 from .fileio import safe_join
@@ -94,13 +96,15 @@ class Generator:
     """An opened export: its sessions, its static KV cache and (optionally) its tokenizer."""
 
     def __init__(self, directory: Path, manifest: Manifest, tokenizer: Tokenizer | None,
-                 config: SessionConfig) -> None:
+                 config: SessionConfig, chat_template: ChatTemplate | None = None) -> None:
         self.directory, self.manifest, self.tokenizer = Path(directory), manifest, tokenizer
+        self.chat_template = chat_template
         m = manifest
         self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
         self.clock = RunClock()
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id
+        self.eos_ids = frozenset(m.eos_ids)  # any of them ends generation
         self.default_sampling = SamplingParams.from_dict(m.sampler, f"{self.directory}/manifest.json: sampler")
         # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
         self._history = np.zeros(m.max_seq, np.int64)
@@ -122,7 +126,12 @@ class Generator:
             path = safe_join(directory, manifest.tokenizer["file"])
             ids = {} if path.suffix == ".bin" else {"bos_id": manifest.bos_id, "eos_id": manifest.eos_id}
             tokenizer = load_tokenizer(path, manifest.vocab_size, **ids)
-        return cls(directory, manifest, tokenizer, config)
+        template = None
+        if manifest.tokenizer is not None and manifest.tokenizer["chat_template"] is not None:
+            template = ChatTemplate.from_file(safe_join(directory, manifest.tokenizer["chat_template"]),
+                                              tokenizer.token_text(manifest.bos_id),
+                                              tokenizer.token_text(manifest.eos_id))
+        return cls(directory, manifest, tokenizer, config, template)
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -181,13 +190,7 @@ class Generator:
         time it; no stop strings then). Arguments are checked here, before the first token.
         """
         start = perf_counter()
-        sampling = sampling if sampling is not None else self.default_sampling
-        stop = stop if stop is not None else StopParams()
-        sampling.validate()
-        stop.validate()
-        need(not stop.stop or self.tokenizer is not None,
-             f"--stop: {self.directory} has no tokenizer, so there is no text to match stop strings in")
-        need(not stop.stop or text, "stop strings need the text: generate(..., text=True)")
+        sampling, stop = self._checked(sampling, stop, text)
         if keep_context and self.context_tokens > 0:
             ids = self.encode(prompt, fresh=False)
             if not self.fits(ids):
@@ -200,6 +203,44 @@ class Generator:
         self._carry = []
         return self._run(feed, sampling, stop, ignore_eos, start, text)
 
+    def chat(self, messages: Sequence[dict], sampling: SamplingParams | None = None,
+             stop: StopParams | None = None, *, text: bool = True) -> Iterator[TokenEvent | Result]:
+        """Like `generate`, for the assistant's reply to `messages` ([{"role": "user", "content": ...}, ...])
+        rendered with the export's chat template. The context carries over: the cache is rewound to the longest
+        prefix the rendered conversation shares with it, and only the rest is fed (a follow-up question costs
+        its own tokens, not the whole conversation's)."""
+        start = perf_counter()
+        sampling, stop = self._checked(sampling, stop, text)
+        ids = self.chat_ids(messages)
+        need(0 < len(ids) <= self.cache.max_seq,
+             f"chat: the conversation is {len(ids)} tokens, the context holds {self.cache.max_seq} (max_seq of "
+             "the export): drop earlier turns")
+        cached = self._history[:self.cache.length]
+        n = min(len(ids) - 1, len(cached))  # feed at least one token: its logits pick the first new one
+        same = np.flatnonzero(cached[:n] != np.asarray(ids[:n], np.int64))
+        keep = int(same[0]) if len(same) else n
+        self.cache.rewind(keep)
+        self._carry = []
+        return self._run(ids[keep:], sampling, stop, False, start, text)
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The token ids of a conversation rendered with the chat template, ending with the assistant's turn."""
+        need(self.chat_template is not None,
+             f"--chat: {self.directory} has no chat template (export a model whose tokenizer_config.json has one, "
+             "or pass `edgellm export --chat-template FILE`)")
+        return self.tokenizer.encode_template(self.chat_template.render(messages))
+
+    def _checked(self, sampling: SamplingParams | None, stop: StopParams | None,
+                 text: bool) -> tuple[SamplingParams, StopParams]:
+        sampling = sampling if sampling is not None else self.default_sampling
+        stop = stop if stop is not None else StopParams()
+        sampling.validate()
+        stop.validate()
+        need(not stop.stop or self.tokenizer is not None,
+             f"--stop: {self.directory} has no tokenizer, so there is no text to match stop strings in")
+        need(not stop.stop or text, "stop strings need the text: generate(..., text=True)")
+        return sampling, stop
+
     def _run(self, feed: list[int], sampling: SamplingParams, stop: StopParams, ignore_eos: bool,
              start: float, with_text: bool) -> Iterator[TokenEvent | Result]:
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None and with_text else None
@@ -210,7 +251,7 @@ class Generator:
         rng = stop.rng()
         penalise = sampling.repetition_penalty != 1.0
         plain_greedy = sampling.temperature == 0 and not penalise
-        eos = None if ignore_eos else self.eos_id
+        eos = frozenset() if ignore_eos else self.eos_ids
         new: list[int] = []
         text: list[str] = []
         reason = "max_new_tokens"
@@ -227,7 +268,7 @@ class Generator:
                 last = perf_counter()
                 if not new:
                     first, run_at_first = last, self.clock.seconds
-                if token == eos:
+                if token in eos:
                     reason = "eos"
                     break
                 new.append(token)

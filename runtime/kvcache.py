@@ -101,6 +101,14 @@ class KVCache:
             raise EdgeError(f"KV cache overflow: {self.length}+{count} > {self.max_seq}")
         self.length += count
 
+    def rewind(self, length: int) -> None:
+        """Keep only the first `length` rows (a conversation that shares that prefix continues from there): the
+        rows after it are overwritten by the next writes and never read before (every graph attends to the
+        rows below the current length only)."""
+        if not 0 <= length <= self.length:
+            raise EdgeError(f"KV cache rewind to {length}: expected 0..{self.length}")
+        self.length = length
+
     def reset(self) -> None:
         """Forget the context; the buffers stay allocated (stale rows are masked by past_len)."""
         self.length = 0

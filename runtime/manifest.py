@@ -14,6 +14,9 @@ readers accept exactly the versions listed):
      the embed + layer graphs, which stay for per-layer diffs. Versions 1-3 have none.
   5  a paired graph is one graph whose S dim is symbolic, run as is by both variants (no `If`, no `decode`
      input; export/pairing.py). Versions 3-4 paired graphs keep their `decode` selector.
+  6  adds `eos_ids` (every token id that ends generation, `eos_id` first: chat models end a turn with a token
+     of their own, e.g. Llama 3's <|eot_id|>) and `tokenizer.chat_template` (a Jinja file, or null;
+     runtime/chat.py). Versions 1-5 read as eos_ids = [eos_id] and no template.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -35,11 +38,12 @@ from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 5
-READS = (1, 2, 3, 4, 5)  # the versions this reader accepts
+FORMAT_VERSION = 6
+READS = (1, 2, 3, 4, 5, 6)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
+TOKENIZER_KEYS = ("file", "kind", "chat_template")
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -78,9 +82,10 @@ class Manifest:
     opset: int
     graphs: tuple[GraphSpec, ...]
     files: dict[str, FileSpec]                   # every file but manifest.json, by relative path
-    tokenizer: dict | None = None                # {"file": relpath, "kind": str}
+    tokenizer: dict | None = None                # {"file": relpath, "kind": str, "chat_template": relpath | None}
     bos_id: int | None = None
     eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()                # every id that ends generation: eos_id first, or none
     sampler: dict = field(default_factory=dict)  # SamplingParams fields (defaults for `edgellm run`)
     quantization: dict | None = None             # None for fp32
     export_options: dict = field(default_factory=dict)
@@ -177,14 +182,25 @@ class Manifest:
         missing = [k for k in want if k not in seen]
         need(not missing, f"graphs: missing (role, layer, seq) {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         if self.tokenizer is not None:
-            need(set(self.tokenizer) == {"file", "kind"}, "tokenizer: expected keys 'file' and 'kind'")
-            file = self.tokenizer["file"]
+            need(set(self.tokenizer) == set(TOKENIZER_KEYS),
+                 f"tokenizer: expected keys {', '.join(map(repr, TOKENIZER_KEYS))}")
+            file, template = self.tokenizer["file"], self.tokenizer["chat_template"]
             need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
             need(isinstance(self.tokenizer["kind"], str) and bool(self.tokenizer["kind"]),
                  "tokenizer.kind: expected a non-empty string")
+            need(template is None or (isinstance(template, str) and template in self.files),
+                 f"tokenizer.chat_template: {template!r} is not listed in files")
+            need(template is None or self.tokenizer["kind"] == "hf",
+                 "tokenizer.chat_template: needs a Hugging Face tokenizer (kind 'hf')")
         for key in ("bos_id", "eos_id"):
             tok = getattr(self, key)
             need(tok is None or 0 <= tok < dims.vocab_size, f"{key}: expected 0..{dims.vocab_size - 1}, got {tok}")
+        for i, tok in enumerate(self.eos_ids):
+            need(is_int(tok) and 0 <= tok < dims.vocab_size,
+                 f"eos_ids[{i}]: expected 0..{dims.vocab_size - 1}, got {tok!r}")
+        need(len(set(self.eos_ids)) == len(self.eos_ids), f"eos_ids: duplicate ids in {list(self.eos_ids)}")
+        need(self.eos_ids[:1] == ((self.eos_id,) if self.eos_id is not None else ()),
+             f"eos_ids: expected eos_id ({self.eos_id}) first and no ids without it, got {list(self.eos_ids)}")
         SamplingParams.from_dict(self.sampler, "sampler")
         for name, diff in self.verification.items():
             need(diff >= 0, f"verification[{name!r}]: expected a max |diff| >= 0, got {diff}")
@@ -252,7 +268,7 @@ _FILE = {"sha256": "string", "bytes": "integer"}
 _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "string", "preset": "string?",
         "config": "object", "granularity": "string", "kv_layout": "string", "max_seq": "integer", "prefill_chunk": "integer",
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
-        "eos_id": "integer?", "sampler": "object", "quantization": "object?", "export_options": "object",
+        "eos_id": "integer?", "eos_ids": "array", "sampler": "object", "quantization": "object?", "export_options": "object",
         "verification": "object"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
@@ -283,10 +299,16 @@ def _parse(doc: object) -> Manifest:
              f"graphs: role 'stack' needs format_version 4, this manifest says {version}")
     if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
         doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
+    if version < 6:  # one end-of-generation id, no chat template
+        eos = doc.get("eos_id")
+        tok = doc.get("tokenizer")
+        doc = {**doc, "eos_ids": [eos] if is_int(eos) else [],
+               **({"tokenizer": {**tok, "chat_template": None}} if isinstance(tok, dict) else {})}
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
+    fields["eos_ids"] = tuple(d["eos_ids"])
     fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
     for i, g in enumerate(fields["graphs"]):  # versions 3-4 select a paired graph's variant by `decode`
         need(g.paired == g.selector or version >= 5, f"graphs[{i}] ({g.name}): a paired graph of format_version "

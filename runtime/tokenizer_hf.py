@@ -65,6 +65,18 @@ class HFTokenizer:
             return self._encode_escaped(text)
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_template(self, text: str) -> list[int]:
+        """A rendered chat template: its special tokens (<|im_start|>, ...) are control tokens, not text."""
+        self.tok.encode_special_tokens = False
+        try:
+            return self.encode(text)
+        finally:
+            self.tok.encode_special_tokens = True
+
+    def token_text(self, token_id: int | None) -> str | None:
+        """A token's vocabulary entry ("<s>", "<|im_end|>"), as a chat template refers to it."""
+        return self.tok.id_to_token(token_id) if token_id is not None else None
+
     def _encode_escaped(self, text: str) -> list[int]:
         """Valid runs go through the tokenizer, each escaped byte becomes its byte-level token."""
         ids: list[int] = []

@@ -40,7 +40,7 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
         edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, kv_layout=kv_layout,
         max_seq=16,
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
-        tokenizer={"file": "tokenizer.json", "kind": "hf"}, bos_id=1, eos_id=2,
+        tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
         verification={g.name: 1e-6 for g in graphs},
     )
@@ -70,7 +70,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 5
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 6
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -89,6 +89,16 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
                                                "present_key.1", "present_value.1"]
     with pytest.raises(EdgeError, match="no head graph with seq=3"):
         got.graph("head", 3)
+
+
+def test_version_5_reads_with_one_eos_id_and_no_chat_template(tmp_path: Path) -> None:
+    """Format 6 added eos_ids and tokenizer.chat_template: a format-5 manifest has neither key."""
+    make_export(tmp_path)
+    edit(tmp_path, lambda d: (d.update(format_version=5), d.pop("eos_ids"), d["tokenizer"].pop("chat_template")))
+    got = read_manifest(tmp_path)
+    assert (got.eos_id, got.eos_ids, got.tokenizer["chat_template"]) == (2, (2,), None)
+    edit(tmp_path, lambda d: d.update(eos_id=None))
+    assert read_manifest(tmp_path).eos_ids == ()
 
 
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
@@ -188,7 +198,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4, 5\)")
+    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -206,6 +216,13 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d["files"].pop("head.data"), "'head.data' is not listed in files"),
     (lambda d: d["config"].pop("n_kv_heads"), "config: missing key 'n_kv_heads'"),
     (lambda d: d.update(eos_id=32), r"eos_id: expected 0\.\.31"),
+    (lambda d: d.update(eos_ids=[5, 2]), r"eos_ids: expected eos_id \(2\) first"),
+    (lambda d: d.update(eos_ids=[2, 40]), r"eos_ids\[1\]: expected 0\.\.31, got 40"),
+    (lambda d: d.update(eos_ids=[2, 2]), "eos_ids: duplicate ids"),
+    (lambda d: d.update(eos_ids=[2, "5"]), r"eos_ids\[1\]: expected 0\.\.31, got '5'"),
+    (lambda d: d.pop("eos_ids"), r"missing key\(s\) \['eos_ids'\]"),
+    (lambda d: d["tokenizer"].update(chat_template="chat.jinja"), "tokenizer.chat_template: 'chat.jinja' is not listed"),
+    (lambda d: d["tokenizer"].pop("chat_template"), "tokenizer: expected keys 'file', 'kind', 'chat_template'"),
     (lambda d: d.update(sampler={"top_p": 2}), "sampler: --top-p"),
     (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
     (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),

@@ -1,7 +1,7 @@
 """`edgellm` command line: one module per verb, each exposing `register(subparsers)`.
 
 Verb modules import their heavy dependencies (torch, onnx) inside their `run` function, so `edgellm run`
-works on a board that has only numpy, onnxruntime and tokenizers installed.
+works on a board that has only numpy, onnxruntime, tokenizers (and jinja2, for `--chat`) installed.
 """
 
 from __future__ import annotations

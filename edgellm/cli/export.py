@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
                              "max(1, max |PyTorch|) (default 1e-4)")
     parser.add_argument("--opset", type=int, default=20, help="ONNX opset, 18..21 (default 20)")
+    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                        help="the chat template to ship for `edgellm run --chat`: a Jinja file or a "
+                             "tokenizer_config.json (default: the one beside the checkpoint's tokenizer.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -48,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.checkpoint)
     if args.max_seq is None and loaded.config.max_seq_len < max_seq:
         options = dataclasses.replace(options, max_seq=loaded.config.max_seq_len)
-    export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress)
+    export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress,
+                 chat_template=args.chat_template)
     return 0

@@ -52,8 +52,10 @@ def describe_export(path: Path) -> None:
     print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
           f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once)")
     tok = m.tokenizer
+    chat = f"; chat template {tok['chat_template']} (run --chat)" if tok and tok["chat_template"] else ""
+    eos = ", ".join(map(str, m.eos_ids)) or "none"
     print(f"tokenizer: {tok['file'] + ' (' + tok['kind'] + ')' if tok else 'none (token ids only)'}; "
-          f"bos {m.bos_id}, eos {m.eos_id}")
+          f"bos {m.bos_id}, eos {eos}{chat}")
     print("sampler defaults: " + ", ".join(f"{k} {v}" for k, v in m.sampler.items()))
     graphs = {k: v for k, v in m.verification.items() if "." in k}
     checks = [f"{k} {v:.3g}" for k, v in m.verification.items() if k not in graphs]

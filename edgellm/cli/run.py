@@ -6,6 +6,9 @@ and decode tok/s, peak RSS) follows on stderr. `--json` prints one JSON object i
 Sampling flags left out take the export's defaults (manifest `sampler`).
 `--interactive` reads prompts from stdin, one per line, until EOF; the context carries over between turns
 (each later turn is fed as "\\n" + the line) until it is full, then it is reset with a notice on stderr.
+`--chat` sends the prompt (or each line) as a user message through the model's chat template (exports of
+instruct models carry it); with `--interactive` the conversation carries over, its oldest exchanges dropped
+(with a notice) when it outgrows the context.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print text as it is generated (default) or all at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-run v1)")
     p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line, until EOF")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message, rendered with the export's chat template")
+    p.add_argument("--system", help="with --chat: a system message first")
     p.add_argument("--truncate", action="store_true",
                    help="a prompt longer than the context keeps its last tokens instead of failing")
     add_pool_flag(p, "run")
@@ -136,24 +142,33 @@ def run(args: argparse.Namespace) -> int:
         need(args.prompt is not None or args.prompt_ids is not None,
              "expected --prompt TEXT, --prompt-ids IDS or --interactive")
         need(args.prompt is None or args.prompt != "", "--prompt: expected a non-empty prompt")
+    need(args.system is None or args.chat, "--system: needs --chat")
+    need(not args.chat or args.prompt_ids is None, "--chat: takes --prompt text, not --prompt-ids")
+    need(not (args.chat and args.truncate), "--truncate: not with --chat (earlier exchanges are dropped instead)")
     ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     gen = Generator.open(args.directory, config=config, verify=args.verify)
     sampling = SamplingParams(**{**gen.default_sampling.to_dict(), **given})
+    if args.chat:
+        gen.chat_ids([{"role": "user", "content": "?"}])  # an export without a template fails here, once
+        return _chat(gen, sampling, stop, args)
     if args.interactive:
         return _interactive(gen, sampling, stop, args)
     _turn(gen, ids if ids is not None else args.prompt, sampling, stop, args, keep=False)
     return 0
 
 
-def _turn(gen, prompt, sampling, stop, args: argparse.Namespace, keep: bool) -> None:
-    """One generation: stream (or collect) its output, then the stats line or the JSON object."""
+def _turn(gen, prompt, sampling, stop, args: argparse.Namespace, keep: bool, messages: list | None = None):
+    """One generation (of a chat reply if `messages`): stream (or collect) its output, then the stats line or
+    the JSON object. Returns the Result."""
     from edgellm.runtime.generator import Result
     from edgellm.runtime.stats import format_stats
 
     stream = args.stream and not args.json
     no_text = gen.tokenizer is None  # ids only: show the new ids instead of text
     result = None
-    for item in gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=keep):
+    events = (gen.chat(messages, sampling, stop) if messages is not None else
+              gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=keep))
+    for item in events:
         if isinstance(item, Result):
             result = item
         elif stream:
@@ -163,12 +178,40 @@ def _turn(gen, prompt, sampling, stop, args: argparse.Namespace, keep: bool) -> 
     assert result is not None
     if args.json:
         print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, **result.to_dict()}))
-        return
+        return result
     if not stream:
         sys.stdout.write(" ".join(map(str, result.token_ids)) if no_text else result.text)
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"[{result.finish_reason}] " + format_stats(result.timings, result.peak_rss_mb), file=sys.stderr)
+    return result
+
+
+def _chat(gen, sampling, stop, args: argparse.Namespace) -> int:
+    """--chat: one reply to --prompt, or (--interactive) a conversation, one user message per stdin line."""
+    from edgellm.runtime.errors import EdgeError
+
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    if not args.interactive:
+        _turn(gen, None, sampling, stop, args, keep=False,
+              messages=system + [{"role": "user", "content": args.prompt}])
+        return 0
+    turns: list[dict] = []  # user and assistant messages, oldest first
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        turns.append({"role": "user", "content": line})
+        try:
+            while len(turns) > 1 and len(gen.chat_ids(system + turns)) > gen.cache.max_seq:
+                del turns[:2]  # the oldest exchange
+                print("[context full: dropped the oldest exchange]", file=sys.stderr)
+            result = _turn(gen, None, sampling, stop, args, keep=True, messages=system + turns)
+            turns.append({"role": "assistant", "content": result.text})
+        except EdgeError as err:  # e.g. this message alone does not fit: it stays out of the conversation
+            turns.pop()
+            print(f"edgellm run: error: {err}", file=sys.stderr)
+    return 0
 
 
 def _interactive(gen, sampling, stop, args: argparse.Namespace) -> int:

@@ -47,6 +47,12 @@ def _token(value: Any, key: str, where: Path) -> int | None:
     return value
 
 
+def _ids(value: Any) -> list[int]:
+    """The integer ids in an eos_token_id value (an int, a list of them, or null)."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
 def rope_fields(hf: dict[str, Any], family: str, hd: int, max_pos: int, where: Path) -> dict[str, Any]:
     """rope_theta and the factor fields of ModelConfig from rope_parameters / rope_theta + rope_scaling."""
     params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
@@ -160,8 +166,12 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
         fields[field] = _token(value, key, where)
     if family == "minicpm":
         fields.update(_minicpm_fields(hf, where))
-    eos = hf.get("eos_token_id") if hf.get("eos_token_id") is not None else generation.get("eos_token_id")
-    fields["extra"] = {"source": "hf", "model_type": family, **({"eos_ids": eos} if isinstance(eos, list) else {})}
+    # every id that ends generation, config.json's first: instruct models list their end-of-turn token in
+    # generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3.1: three ids)
+    eos = _ids(hf.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
+    vocab = fields["vocab_size"]
+    fields["end_ids"] = [i for i in eos if 0 <= i < vocab]  # ModelConfig drops eos_id and repeats
+    fields["extra"] = {"source": "hf", "model_type": family}
     try:
         return ModelConfig.from_dict(fields)
     except EdgeError as exc:

@@ -53,6 +53,9 @@ class ModelConfig:
     dropout: float = 0.0
     bos_id: int | None = 1
     eos_id: int | None = 2
+    # ids besides eos_id that end generation (an instruct model's end-of-turn token: Qwen's <|im_end|>, Llama 3's
+    # <|eot_id|>); export writes eos_id and these as the manifest's eos_ids
+    end_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # provenance only, never behaviour
 
     def __post_init__(self) -> None:
@@ -78,6 +81,10 @@ class ModelConfig:
                      f"{name}: expected a list of finite numbers")
                 object.__setattr__(self, name, tuple(float(f) for f in factor))
                 need(len(factor) == self.hd // 2, f"{name} needs head_dim/2={self.hd // 2} values, got {len(factor)}")
+        need(isinstance(self.end_ids, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in self.end_ids),
+            f"end_ids: expected a list of token ids in [0, {self.vocab_size}), got {self.end_ids!r:.60}")
+        object.__setattr__(self, "end_ids", tuple(i for i in dict.fromkeys(self.end_ids) if i != self.eos_id))
         need((self.rope_long_factor is None) == (self.rope_original_max is None),
              "LongRoPE needs both rope_long_factor/rope_short_factor and rope_original_max")
 
@@ -122,7 +129,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("rope_short_factor", "rope_long_factor"):
+        for key in ("rope_short_factor", "rope_long_factor", "end_ids"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
