@@ -19,9 +19,9 @@ context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messa
 with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
 Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
-`ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are in `token_ids`), after
-`max_new_tokens`, or when the static context is full ("length": the last token picked is returned but
-there is no cache row left to feed it).
+`ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are
+in `token_ids`), after `max_new_tokens`, or when the static context is full ("length": the last token picked
+is returned but there is no cache row left to feed it).
 """
 
 from __future__ import annotations
