@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
+    except BrokenPipeError:  # the reader went away (`edgellm info DIR | head`): stop quietly, as cat does
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except EdgeError as exc:
         print(f"edgellm {args.verb}: error: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgellm {args.verb}: interrupted", file=sys.stderr)
         return 130
     return int(code or 0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of the dead pipe raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        pass
 
 
 if __name__ == "__main__":
