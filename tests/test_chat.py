@@ -48,6 +48,18 @@ STRICT = """{% set ns = namespace(n=0) %}
   {% endif %}
   {% if ns.n > 2 %}{% break %}{% endif %}
 {% endfor %}"""
+# whitespace control, attribute access, loop.last, an optional `tools` variable and tojson of a dict
+TRIMMED = """{%- if tools %}
+    {{- '<|im_start|>system\ntools: ' + (tools | tojson) + '<|im_end|>\n' }}
+{%- elif messages[0].role != 'system' %}
+    {{- '<|im_start|>system\nDefault.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\n' + message.content | trim }}
+    {%- if not loop.last or message.role != 'assistant' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' + ({'a': 1} | tojson) + '\n' }}{%- endif %}
+"""
 CONVERSATION = [{"role": "user", "content": "Hi there, what is 2+2? «ünïcode»"},
                 {"role": "assistant", "content": "  It is 4.  "},
                 {"role": "user", "content": "And 3+3?"}]
@@ -80,7 +92,7 @@ def reference(tok_path: Path, template: str, messages, **kw):
     return text, list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA3, STRICT], ids=["chatml", "llama3", "strict"])
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, STRICT, TRIMMED], ids=["chatml", "llama3", "strict", "trimmed"])
 def test_render_and_ids_match_transformers(tok_path, template):
     tok = HFTokenizer.from_file(tok_path, bos_id=3, eos_id=2)
     ours = ChatTemplate(template, "test", "<s>", "<|im_end|>")
