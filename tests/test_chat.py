@@ -210,6 +210,10 @@ def test_cli_chat(hf_export, capsys, monkeypatch):
     code, out, err = run(capsys, "run", str(hf_export), "--chat", "--interactive", "--temperature", "0",
                          "--max-new-tokens", "4")
     assert code == 0 and len([s for s in err.splitlines() if "TTFT" in s]) == 2
+    assert "chat template" not in err
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("Hi\n"))
+    code, out, err = run(capsys, "run", str(hf_export), "--interactive", "--max-new-tokens", "2")
+    assert code == 0 and "this export has a chat template: --chat" in err.splitlines()[0]
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -152,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         gen.chat_ids([{"role": "user", "content": "?"}])  # an export without a template fails here, once
         return _chat(gen, sampling, stop, args)
     if args.interactive:
+        if gen.chat_template is not None:
+            print("[this export has a chat template: --chat sends each line as a user message through it]",
+                  file=sys.stderr)
         return _interactive(gen, sampling, stop, args)
     _turn(gen, ids if ids is not None else args.prompt, sampling, stop, args, keep=False)
     return 0
