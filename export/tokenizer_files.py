@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from edgellm.model import ModelConfig
-from edgellm.runtime.chat import ChatTemplate
+from edgellm.runtime.chat import ChatTemplate, read_text
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
@@ -39,12 +39,12 @@ def find_chat_template(tokenizer_path: Path | None) -> tuple[str, str] | None:
     folder = Path(tokenizer_path).parent
     jinja = folder / CHAT_TEMPLATE
     if jinja.is_file():
-        return _read_text(jinja), str(jinja)
+        return read_text(jinja), str(jinja)
     config = folder / "tokenizer_config.json"
     if not config.is_file():
         return None
     try:
-        doc = json.loads(_read_text(config))
+        doc = json.loads(read_text(config))
     except ValueError as err:
         raise EdgeError(f"{config}: not valid JSON ({err})") from None
     template = doc.get("chat_template") if isinstance(doc, dict) else None
@@ -65,7 +65,7 @@ def read_chat_template(path: Path) -> tuple[str, str]:
         found = find_chat_template(path.with_name("tokenizer.json"))
         need(found is not None, f"--chat-template {path}: has no chat_template")
         return found
-    return _read_text(path), str(path)
+    return read_text(path), str(path)
 
 
 def check_chat_template(found: tuple[str, str], tokenizer: Tokenizer | None, cfg: ModelConfig) -> str:
@@ -82,9 +82,3 @@ def eos_ids(cfg: ModelConfig) -> tuple[int, ...]:
     """Every id that ends generation, the manifest's `eos_ids`: eos_id first, then the config's end_ids."""
     return () if cfg.eos_id is None else (cfg.eos_id, *cfg.end_ids)
 
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise EdgeError(f"{path}: cannot read ({err})") from None

@@ -77,13 +77,7 @@ class ChatTemplate:
 
     @classmethod
     def from_file(cls, path: Path, bos_token: str | None = None, eos_token: str | None = None) -> ChatTemplate:
-        raw = read_file(path)
-        need(len(raw) <= _MAX_TEMPLATE_BYTES, f"{path}: larger than {_MAX_TEMPLATE_BYTES} bytes")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise EdgeError(f"{path}: not UTF-8 text") from None
-        return cls(text, str(path), bos_token, eos_token)
+        return cls(read_text(path), str(path), bos_token, eos_token)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`, ending with the assistant's opening if `add_generation_prompt`."""
@@ -96,6 +90,16 @@ class ChatTemplate:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise EdgeError(f"{self.where}: rendering failed ({one_line(err)})") from None
+
+
+def read_text(path: Path) -> str:
+    """A template file (or the tokenizer_config.json holding one) as text: at most 1 MiB of UTF-8."""
+    raw = read_file(path)
+    need(len(raw) <= _MAX_TEMPLATE_BYTES, f"{path}: larger than {_MAX_TEMPLATE_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EdgeError(f"{path}: not UTF-8 text") from None
 
 
 def check_messages(messages: Sequence[dict]) -> None:

@@ -223,11 +223,15 @@ class Generator:
         self._carry = []
         return self._run(ids[keep:], sampling, stop, False, start, text)
 
-    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """The token ids of a conversation rendered with the chat template, ending with the assistant's turn."""
+    def check_chat(self) -> None:
+        """EdgeError unless the export has a chat template."""
         need(self.chat_template is not None,
              f"--chat: {self.directory} has no chat template (export a model whose tokenizer_config.json has one, "
              "or pass `edgellm export --chat-template FILE`)")
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The token ids of a conversation rendered with the chat template, ending with the assistant's turn."""
+        self.check_chat()
         return self.tokenizer.encode_template(self.chat_template.render(messages))
 
     def _checked(self, sampling: SamplingParams | None, stop: StopParams | None,

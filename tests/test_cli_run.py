@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -118,3 +121,16 @@ def test_bench_json(export, capsys):
     row = doc["rows"][0]
     assert row["system"] == "edgellm" and row["decode_tok_s"]["median"] > 0 and row["peak_rss_mb"] > 0
     assert 0 <= row["overhead_pct"]["median"] < 100
+
+
+@pytest.mark.parametrize("argv", [["info"], ["run", "--prompt", "a", "--temperature", "0"]], ids=["info", "run"])
+def test_a_closed_pipe_is_quiet(export, argv):
+    """`edgellm info DIR | head -1`, `edgellm run ... | head -c 10`: the reader goes away; no traceback, no error
+    line, SIGPIPE's exit code."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    proc = subprocess.Popen([sys.executable, "-m", "edgellm", argv[0], export, *argv[1:]], stdout=write,
+                            stderr=subprocess.PIPE)
+    os.close(write)
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (141, b"")

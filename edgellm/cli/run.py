@@ -149,28 +149,26 @@ def run(args: argparse.Namespace) -> int:
     gen = Generator.open(args.directory, config=config, verify=args.verify)
     sampling = SamplingParams(**{**gen.default_sampling.to_dict(), **given})
     if args.chat:
-        gen.chat_ids([{"role": "user", "content": "?"}])  # an export without a template fails here, once
+        gen.check_chat()  # once, not per line
         return _chat(gen, sampling, stop, args)
     if args.interactive:
         if gen.chat_template is not None:
             print("[this export has a chat template: --chat sends each line as a user message through it]",
                   file=sys.stderr)
         return _interactive(gen, sampling, stop, args)
-    _turn(gen, ids if ids is not None else args.prompt, sampling, stop, args, keep=False)
+    _show(gen, gen.generate(ids if ids is not None else args.prompt, sampling, stop, truncate=args.truncate), args)
     return 0
 
 
-def _turn(gen, prompt, sampling, stop, args: argparse.Namespace, keep: bool, messages: list | None = None):
-    """One generation (of a chat reply if `messages`): stream (or collect) its output, then the stats line or
-    the JSON object. Returns the Result."""
+def _show(gen, events, args: argparse.Namespace):
+    """One generation's events (`Generator.generate` / `chat`): stream (or collect) its output, then the stats
+    line or the JSON object. Returns the Result."""
     from edgellm.runtime.generator import Result
     from edgellm.runtime.stats import format_stats
 
     stream = args.stream and not args.json
     no_text = gen.tokenizer is None  # ids only: show the new ids instead of text
     result = None
-    events = (gen.chat(messages, sampling, stop) if messages is not None else
-              gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=keep))
     for item in events:
         if isinstance(item, Result):
             result = item
@@ -196,8 +194,7 @@ def _chat(gen, sampling, stop, args: argparse.Namespace) -> int:
 
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     if not args.interactive:
-        _turn(gen, None, sampling, stop, args, keep=False,
-              messages=system + [{"role": "user", "content": args.prompt}])
+        _show(gen, gen.chat(system + [{"role": "user", "content": args.prompt}], sampling, stop), args)
         return 0
     turns: list[dict] = []  # user and assistant messages, oldest first
     for line in sys.stdin:
@@ -209,7 +206,7 @@ def _chat(gen, sampling, stop, args: argparse.Namespace) -> int:
             while len(turns) > 1 and len(gen.chat_ids(system + turns)) > gen.cache.max_seq:
                 del turns[:2]  # the oldest exchange
                 print("[context full: dropped the oldest exchange]", file=sys.stderr)
-            result = _turn(gen, None, sampling, stop, args, keep=True, messages=system + turns)
+            result = _show(gen, gen.chat(system + turns, sampling, stop), args)
             turns.append({"role": "assistant", "content": result.text})
         except EdgeError as err:  # e.g. this message alone does not fit: it stays out of the conversation
             turns.pop()
@@ -234,7 +231,7 @@ def _interactive(gen, sampling, stop, args: argparse.Namespace) -> int:
                 print("[context full: starting a new context]", file=sys.stderr)
                 gen.reset()
                 prompt = line if gen.tokenizer is not None else prompt
-            _turn(gen, prompt, sampling, stop, args, keep=True)
+            _show(gen, gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=True), args)
         except EdgeError as err:  # a bad line (too long, bad ids) must not end the session
             print(f"edgellm run: error: {err}", file=sys.stderr)
     return 0
