@@ -1,5 +1,5 @@
 import sys
 
-from edgellm.cli import main
+from edgellm.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

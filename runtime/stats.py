@@ -34,6 +34,20 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
+def huge_pages_mb() -> float:
+    """MiB of this process's anonymous memory in transparent huge pages now (AnonHugePages of
+    /proc/self/smaps_rollup, Linux >= 4.14); 0.0 where the kernel does not say. Where the packed weights
+    live: `edgellm run` and `edgellm bench` ask glibc for huge pages (edgellm/cli/hugepages.py)."""
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"AnonHugePages:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 @dataclass(frozen=True)
 class Timings:
     prompt_tokens: int

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.runtime.errors import need
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
+    from edgellm.runtime.stats import huge_pages_mb
 
     need(args.runs >= 1, f"--runs: expected an integer >= 1, got {args.runs}")
     need(args.new_tokens >= 2, f"--new-tokens: expected an integer >= 2, got {args.new_tokens}")
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     max_seq = gen.manifest.max_seq
     contexts = _contexts(args, max_seq)
     rows = bench_edgellm(gen, contexts, args.new_tokens, args.runs, args.max_other_load)
+    huge = huge_pages_mb()  # with the weights still loaded
     del gen
     if args.vs_torch is not None:
         rows += bench_torch(args.vs_torch, contexts, args.new_tokens, args.runs, args.threads, max_seq,
@@ -80,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, "export": str(args.directory),
                           "threads": args.threads, "shared_pool": config.shared_pool, "new_tokens": args.new_tokens, "runs": args.runs,
-                          "max_seq": max_seq, "rows": [r.to_dict() for r in rows],
+                          "max_seq": max_seq, "huge_pages_mb": round(huge, 1), "rows": [r.to_dict() for r in rows],
                           "vs_torch": {str(k): v for k, v in vs.items()}}))
         return 0
     pool = "shared" if config.shared_pool else "per-session"
     print(f"{args.directory}: {args.threads} threads ({pool} pool), {args.new_tokens} new tokens, greedy, EOS "
-          f"ignored, max_seq {max_seq}, median (min-max) of {args.runs} runs after a warm-up")
+          f"ignored, max_seq {max_seq}, {huge:.0f} MB in huge pages, median (min-max) of {args.runs} runs after "
+          "a warm-up")
     for line in format_table(rows):
         print(line)
     for context, r in vs.items():
