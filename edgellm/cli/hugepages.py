@@ -7,9 +7,9 @@ of Debian, Ubuntu and Raspberry Pi OS) back malloc'd memory with huge pages only
 only when told to at process start: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; tunables are read
 once, by the dynamic loader). So the two verbs whose speed is the product re-execute themselves with it set,
 before anything heavy is imported (one interpreter start, ~60 ms on the dev VM, against a model load of
-hundreds of ms). Measured with `edgellm bench`, alternating with and without in one session: decode
-stories15M fp32 +4-6 %, stories110M int4 +5-13 %, Qwen2.5-0.5B int4 +7-9 %, stories110M fp32 +1-3 %,
-Qwen2.5-0.5B fp32 (2 GB, bandwidth-bound) unchanged; peak RSS +0-13 MB.
+hundreds of ms). Measured with `edgellm bench` on the dev VM, with and without in alternation (2026-11-23):
+decode stories15M fp32 +6 %, Qwen2.5-0.5B int4 +11 %, stories110M fp32 +1 %, Qwen2.5-0.5B fp32 +2 %
+(bandwidth-bound), stories110M int4 +0-13 % (medians of three sets: 1.00x, 1.08x, 1.13x); peak RSS +0-13 MB.
 
 The user's word wins: any `glibc.malloc.hugetlb` already in GLIBC_TUNABLES (`=0` opts out) is left alone,
 which also stops a second re-execution. Other kernels' modes need nothing ("always" backs every large
