@@ -23,13 +23,9 @@ def peak_rss_mb() -> float:
     parent's ru_maxrss (a child of a 500 MB process reported 513 MB for its own 13), so `edgellm run` started
     from a training script or a notebook would report its launcher's peak. Elsewhere ru_maxrss (KiB; bytes on
     macOS)."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    hwm = _proc_mb("/proc/self/status", b"VmHWM:")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
@@ -38,14 +34,20 @@ def huge_pages_mb() -> float:
     """MiB of this process's anonymous memory in transparent huge pages now (AnonHugePages of
     /proc/self/smaps_rollup, Linux >= 4.14); 0.0 where the kernel does not say. Where the packed weights
     live: `edgellm run` and `edgellm bench` ask glibc for huge pages (edgellm/cli/hugepages.py)."""
+    huge = _proc_mb("/proc/self/smaps_rollup", b"AnonHugePages:")
+    return 0.0 if huge is None else huge
+
+
+def _proc_mb(path: str, field: bytes) -> float | None:
+    """The value of `field` ("Name:  1234 kB") in a /proc file, in MiB; None without the file or the field."""
     try:
-        with open("/proc/self/smaps_rollup", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"AnonHugePages:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
-    return 0.0
+    return None
 
 
 @dataclass(frozen=True)
