@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from stale import fresh
+
 HERE = Path(__file__).resolve().parent
 PRECISIONS = ("fp32", "int8", "int4")
 
@@ -50,12 +52,12 @@ def build_genai(hf: Path, out: Path, precision: str, threads: int, max_length: i
 
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int) -> Path:
     fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
-    if not (fp32 / "manifest.json").is_file():
+    if not fresh(fp32):
         _run(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq", str(max_seq), "--prefill-chunk", "64",
               "--no-progress"], fp32.with_suffix(".log"))
     if precision == "fp32":
         return fp32
-    if not (out / "manifest.json").is_file():
+    if not fresh(out):
         bits = {"int8": "8", "int4": "4"}[precision]
         _run(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, "--no-progress"],
              out.with_suffix(".log"))

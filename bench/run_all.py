@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stale import fresh
+
 HERE = Path(__file__).resolve().parent
 MODELS = ("s15m", "s110m", "q05b")
 
@@ -27,7 +29,7 @@ def ensure_export(root: Path, name: str, max_seq: int) -> Path:
         subprocess.run([sys.executable, str(HERE / "make_models.py"), str(root / "hf"), "--only", name], check=True)
     # the max_seq 256 export is the one bench/ortgenai.py uses too
     out = root / "exp" / (f"{name}-fp32" if max_seq == 256 else f"{name}-fp32-ms{max_seq}")
-    if not (out / "manifest.json").is_file():
+    if not fresh(out):
         subprocess.run(["edgellm", "export", str(hf), "-o", str(out), "--max-seq", str(max_seq), "--prefill-chunk",
                         "64", "--no-progress"], check=True)
     return out
