@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from stale import fresh
+from stale import rebuild_if_stale
 
 HERE = Path(__file__).resolve().parent
 PRECISIONS = ("fp32", "int8", "int4")
@@ -52,15 +52,14 @@ def build_genai(hf: Path, out: Path, precision: str, threads: int, max_length: i
 
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int) -> Path:
     fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
-    if not fresh(fp32):
-        _run(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq", str(max_seq), "--prefill-chunk", "64",
-              "--no-progress"], fp32.with_suffix(".log"))
+    rebuilt = rebuild_if_stale(fp32, lambda: _run(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
+                                                   str(max_seq), "--prefill-chunk", "64", "--no-progress"],
+                                                  fp32.with_suffix(".log")))
     if precision == "fp32":
         return fp32
-    if not fresh(out):
-        bits = {"int8": "8", "int4": "4"}[precision]
-        _run(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, "--no-progress"],
-             out.with_suffix(".log"))
+    bits = {"int8": "8", "int4": "4"}[precision]
+    rebuild_if_stale(out, lambda: _run(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits,
+                                        "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
     return out
 
 

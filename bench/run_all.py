@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stale import fresh
+from stale import rebuild_if_stale
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("s15m", "s110m", "q05b")
@@ -29,9 +29,8 @@ def ensure_export(root: Path, name: str, max_seq: int) -> Path:
         subprocess.run([sys.executable, str(HERE / "make_models.py"), str(root / "hf"), "--only", name], check=True)
     # the max_seq 256 export is the one bench/ortgenai.py uses too
     out = root / "exp" / (f"{name}-fp32" if max_seq == 256 else f"{name}-fp32-ms{max_seq}")
-    if not fresh(out):
-        subprocess.run(["edgellm", "export", str(hf), "-o", str(out), "--max-seq", str(max_seq), "--prefill-chunk",
-                        "64", "--no-progress"], check=True)
+    rebuild_if_stale(out, lambda: subprocess.run(["edgellm", "export", str(hf), "-o", str(out), "--max-seq",
+                                                  str(max_seq), "--prefill-chunk", "64", "--no-progress"], check=True))
     return out
 
 
