@@ -24,7 +24,8 @@ from edgellm.runtime.manifest import MANIFEST, read_manifest
 
 from .gate import Condition, evaluate_gate, parse_gate
 
-DEFAULT_BAR = "kl>0.05,top1<0.9"
+BAR_KL, BAR_TOP1 = 0.05, 0.9   # the README's example gate: mean KL above or top-1 below fails
+DEFAULT_BAR = f"kl>{BAR_KL:g},top1<{BAR_TOP1:g}"
 MAX_FIX_LAYERS = 3          # a fix names at most this many layers (the rest is usually noise)
 MB = 1e6
 # how each gate metric reads in a sentence, and the comparison that passes (the inverse of the failure)
