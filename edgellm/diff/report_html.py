@@ -14,20 +14,20 @@ SECTIONS = ("verdict", "summary", "per-layer", "logits", "perplexity", "greedy",
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1320px;color:#222;padding:0 1em}
-table{border-collapse:collapse;margin:.6em 0 1.2em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;white-space:pre-wrap}
+table{border-collapse:collapse;margin:.6em 0 1.2em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td{white-space:nowrap}
 th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}.bad{background:#fdd}.ok{background:#dfd}
-.text td,.text th{text-align:left}.num td{white-space:nowrap}summary{cursor:pointer;color:#345}code{background:#f4f4f4;padding:0 3px}img{max-width:100%;height:auto}
+.text td,.text th{text-align:left}.text td{white-space:pre-wrap}summary{cursor:pointer;color:#345}code{background:#f4f4f4;padding:0 3px}img{max-width:100%;height:auto}
 h2{border-bottom:1px solid #ddd;margin-top:1.6em}.plots{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}
 #verdict p{background:#f6f8ff;border-left:4px solid #4a6fd8;padding:.7em 1em;font-size:1.05em;line-height:1.5;max-width:80em}
-#verdict code{word-break:break-all;background:#e8ecf8}
+#verdict code{display:block;margin:.4em 0;padding:.3em .6em;word-break:break-all;background:#e8ecf8}
 """
 
 def _table(header: Sequence[str], rows: list[list[str]], marks: list[str] | None = None, cls: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = []
     for n, row in enumerate(rows):
-        cls = f' class="{marks[n]}"' if marks and marks[n] else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        mark = f' class="{marks[n]}"' if marks and marks[n] else ""  # the row's, not the table's `cls`
+        body.append(f"<tr{mark}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     attr = f' class="{cls}"' if cls else ""
     return f"<table{attr}><tr>{head}</tr>{''.join(body)}</table>"
 
