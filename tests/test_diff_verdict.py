@@ -147,3 +147,19 @@ def test_layer_ticks_never_crowd(n_layers):
     assert step == 1 or labels * step * _LABEL_IN > width * 0.5  # not thinner than needed
     if n_layers <= 30:
         assert step == 1
+
+
+def test_broken_and_model_granularity_variants_still_get_a_verdict():
+    """NaN logits and infinite layer errors (a broken export) fail the bar without breaking the verdict; a
+    variant without hidden states (model granularity: no embed error) is ranked from its K/V errors."""
+    broken = _variant("broken", float("nan"), 0.1, [0.01, float("inf"), float("nan"), 0.2], INT4)
+    whole = _variant("whole", 1e-3, 0.97, [0.002, 0.02, 0.021, 0.022], INT8)
+    whole["per_layer"]["embed"] = None
+    v = build_verdict(_report([broken, whole]), _facts({"broken": 500, "whole": 900}))
+    assert v["ship"]["name"] == "whole" and not v["variants"][0]["passes"]
+    assert "broken (0.00 MB: mean KL nan > 0.05, top-1 10 % < 90 %)" in v["text"]
+    assert v["error"]["variant"] == "broken" and v["error"]["layers"][0]["layer"] == 1  # where it blew up
+    alone = build_verdict(_report([whole]), _facts({"whole": 900}))
+    # layer 0: 0.002 / floor 1e-3 = 2; layer 1: 0.02 / 0.002 = 10 -> layer 1, as int8: kept fp32
+    assert [e["layer"] for e in alone["error"]["layers"]] == [1]
+    assert "--keep 'layers.1.*'" in alone["fix"]["command"]
