@@ -163,3 +163,14 @@ def test_broken_and_model_granularity_variants_still_get_a_verdict():
     # layer 0: 0.002 / floor 1e-3 = 2; layer 1: 0.02 / 0.002 = 10 -> layer 1, as int8: kept fp32
     assert [e["layer"] for e in alone["error"]["layers"]] == [1]
     assert "--keep 'layers.1.*'" in alone["fix"]["command"]
+
+
+def test_no_command_when_there_is_nothing_to_change_and_fp32_errors_are_not_blamed_on_quantization():
+    quiet = _variant("int8", 1e-6, 1.0, [1e-4] * 4, INT8)  # every layer below the floor
+    v = build_verdict(_report([quiet]), _facts({"int8": 100}))
+    assert v["ship"]["name"] == "int8" and v["error"]["layers"] == [] and v["fix"] is None
+    assert "edgellm quantize" not in v["text"]
+    broken = _variant("fp32", 0.3, 0.5, [1e-7, 0.4, 0.5, 0.5])
+    v = build_verdict(_report([broken]), _facts({"fp32": 100}))
+    assert v["ship"] is None and v["fix"] is None and v["error"]["layers"][0]["layer"] == 1
+    assert "fp32 is fp32, so this is no quantization error" in v["text"] and "`" not in v["text"]

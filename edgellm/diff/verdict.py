@@ -185,6 +185,68 @@ def _target(rows: list[dict[str, Any]], ship: dict[str, Any] | None) -> dict[str
     return max(failing, key=lambda r: r["kl"] if math.isfinite(r["kl"]) else math.inf) if failing else None
 
 
+def _pick_sentences(rows: list[dict[str, Any]], ship: dict[str, Any] | None, bar: str, origin: str) -> list[str]:
+    """What to ship (or that nothing meets the bar), the better-quality alternative, the smaller misses."""
+    if ship is not None:
+        ratio = f", {ship['size_vs_fp32']:.2f}x of fp32" if ship["size_vs_fp32"] else ""
+        text = [f"Ship {ship['name']} ({_mb(ship['bytes'])}{ratio}): the smallest variant with {bar} ({origin}); "
+                f"its mean KL is {ship['kl']:.3g}, top-1 {100 * ship['top1']:.1f} %."]
+        better = [r for r in rows if r["passes"] and r is not ship and r["kl"] < ship["kl"]]
+        if better:
+            b = min(better, key=lambda r: (r["bytes"] or math.inf))
+            text.append(f"For less error, {b['name']} ({_mb(b['bytes'])}) has mean KL {b['kl']:.3g}.")
+    else:
+        best = min(rows, key=lambda r: r["kl"] if math.isfinite(r["kl"]) else math.inf)
+        text = [f"No variant meets {bar} ({origin}); the closest is {best['name']} ({_mb(best['bytes'])}, "
+                f"mean KL {best['kl']:.3g}, top-1 {100 * best['top1']:.1f} %)."]
+    misses = [f"{r['name']} ({_mb(r['bytes'])}: {', '.join(r['failed'])})" for r in rows if not r["passes"]
+              and (ship is None or (r["bytes"] or math.inf) < (ship["bytes"] or math.inf))]
+    if misses:
+        text.append(f"{'Smaller but missing' if ship else 'Missing'} the bar: {'; '.join(misses)}.")
+    return text
+
+
+def _explain(v: dict[str, Any], variants: list[dict[str, Any]], facts: dict[str, Any],
+             floor: float) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
+    """(error, fix, sentences) for variant `v`: the layers that grow its error, their worst weights, and
+    the `edgellm quantize` command that gives them more bits (None when there is nothing to change)."""
+    ranked = _fix_layers(error_layers(v["per_layer"], floor))
+    weights = (facts.get(v["name"]) or {}).get("weights") or {}
+    for e in ranked:
+        mine = {k: w for k, w in weights.items() if k.startswith(f"layers.{e['layer']}.")}
+        if mine:
+            e["worst_weight"] = max(mine, key=mine.get)
+            e["weight_rel_rms_err"] = mine[e["worst_weight"]]
+    text = []
+    if ranked:
+        parts = [f"layer {e['layer']} (x{e['growth']:.3g} to {e['error']:.3g}"
+                 + (f"; its worst weight {e['worst_weight']}, rel. error {e['weight_rel_rms_err']:.3g}"
+                    if "worst_weight" in e else "") + ")" for e in ranked]
+        text.append(f"Most of {v['name']}'s error enters at {', '.join(parts)}: the layer multiplies the "
+                    f"relative RMS error it receives by that factor.")
+    error = {"variant": v["name"], "layers": ranked}
+    options = (v.get("quantization") or {}).get("options")
+    if v.get("quantization") is None:
+        if ranked:
+            text.append(f"{v['name']} is fp32, so this is no quantization error: re-export it and read the "
+                        f"verification edgellm export prints for layer {ranked[0]['layer']}.")
+        return error, None, text
+    if not isinstance(options, dict) or "bits" not in options:
+        return error, None, text
+    layers = [e["layer"] for e in ranked]
+    changes = _changes(options, layers)
+    if changes == "the same options":
+        return error, None, text  # nothing left to give more bits to
+    source = _source(v, variants, facts)
+    out = _free_path(f"{v['path'].rstrip('/')}-fix")
+    argv = quantize_argv(source or "FP32_EXPORT", out, options, layers)
+    command = shlex.join(argv)
+    hint = "" if source else " (FP32_EXPORT: the fp32 export it was quantized from)"
+    text.append(f"To cut it ({changes}): `{command}`{hint}, then diff the new export.")
+    return error, {"variant": v["name"], "argv": argv, "command": command, "output": out, "layers": layers,
+                   "pasteable": source is not None}, text
+
+
 def build_verdict(report: dict[str, Any], facts: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     """The verdict object (structured fields + `text`) from the report and `{variant name: export_facts}`."""
     gate = report.get("gate")
@@ -202,57 +264,14 @@ def build_verdict(report: dict[str, Any], facts: dict[str, dict[str, Any] | None
                      "size_vs_fp32": size / fp32_bytes if size and fp32_bytes else None})
     passing = [r for r in rows if r["passes"]]
     ship = min(passing, key=lambda r: (r["bytes"] or math.inf, r["kl"])) if passing else None
-    bar = bar_text(conditions)
     origin = "the --fail-if gate" if gate else f"the default bar; set yours with --fail-if, e.g. \"{DEFAULT_BAR}\""
-    if ship is not None:
-        ratio = f", {ship['size_vs_fp32']:.2f}x of fp32" if ship["size_vs_fp32"] else ""
-        text = [f"Ship {ship['name']} ({_mb(ship['bytes'])}{ratio}): the smallest variant with {bar} ({origin}); "
-                f"its mean KL is {ship['kl']:.3g}, top-1 {100 * ship['top1']:.1f} %."]
-        better = [r for r in passing if r is not ship and r["kl"] < ship["kl"]]
-        if better:
-            b = min(better, key=lambda r: (r["bytes"] or math.inf))
-            text.append(f"For less error, {b['name']} ({_mb(b['bytes'])}) has mean KL {b['kl']:.3g}.")
-    else:
-        best = min(rows, key=lambda r: r["kl"] if math.isfinite(r["kl"]) else math.inf)
-        text = [f"No variant meets {bar} ({origin}); the closest is {best['name']} ({_mb(best['bytes'])}, "
-                f"mean KL {best['kl']:.3g}, top-1 {100 * best['top1']:.1f} %)."]
-    misses = [f"{r['name']} ({_mb(r['bytes'])}: {', '.join(r['failed'])})" for r in rows if not r["passes"]
-              and (ship is None or (r["bytes"] or math.inf) < (ship["bytes"] or math.inf))]
-    if misses:
-        text.append(f"{'Smaller but missing' if ship else 'Missing'} the bar: {'; '.join(misses)}.")
-
-    target = _target(rows, ship)
+    text = _pick_sentences(rows, ship, bar_text(conditions), origin)
     error, fix = None, None
+    target = _target(rows, ship)
     if target is not None:
         v = next(x for x in variants if x["name"] == target["name"])
-        ranked = _fix_layers(error_layers(v["per_layer"], report["settings"]["jump_floor"]))
-        weights = (facts.get(v["name"]) or {}).get("weights") or {}
-        for e in ranked:
-            mine = {k: w for k, w in weights.items() if k.startswith(f"layers.{e['layer']}.")}
-            if mine:
-                e["worst_weight"] = max(mine, key=mine.get)
-                e["weight_rel_rms_err"] = mine[e["worst_weight"]]
-        error = {"variant": v["name"], "layers": ranked}
-        if ranked:
-            parts = [f"layer {e['layer']} (x{e['growth']:.3g} to {e['error']:.3g}"
-                     + (f"; its worst weight {e['worst_weight']}, rel. error {e['weight_rel_rms_err']:.3g}"
-                        if "worst_weight" in e else "") + ")" for e in ranked]
-            text.append(f"Most of {v['name']}'s error enters at {', '.join(parts)}: the layer multiplies the "
-                        f"relative RMS error it receives by that factor.")
-        options = (v.get("quantization") or {}).get("options")
-        source = _source(v, variants, facts)
-        if isinstance(options, dict) and "bits" in options:
-            out = _free_path(f"{v['path'].rstrip('/')}-fix")
-            argv = quantize_argv(source or "FP32_EXPORT", out, options, [e["layer"] for e in ranked])
-            command = shlex.join(argv)
-            fix = {"variant": v["name"], "argv": argv, "command": command, "output": out,
-                   "layers": [e["layer"] for e in ranked], "pasteable": source is not None}
-            hint = "" if source else " (FP32_EXPORT: the fp32 export it was quantized from)"
-            text.append(f"To cut it ({_changes(options, fix['layers'])}): `{command}`{hint}, then diff the new "
-                        f"export.")
-        elif not target["quantized"] and ranked:
-            text.append(f"{v['name']} is fp32, so this is not quantization error: re-export and check "
-                        f"`edgellm export`'s verification of layer {ranked[0]['layer']}.")
+        error, fix, more = _explain(v, variants, facts, report["settings"]["jump_floor"])
+        text += more
     return {"bar": {"conditions": [str(c) for c in conditions], "source": "--fail-if" if gate else "default"},
             "variants": rows, "ship": None if ship is None else {k: ship[k] for k in ("name", "bytes", "size_vs_fp32")},
             "error": error, "fix": fix, "text": " ".join(text)}
