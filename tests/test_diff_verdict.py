@@ -130,7 +130,7 @@ def test_unknown_source_is_a_named_placeholder_and_markdown_carries_the_verdict(
     del report["variants"][0]  # no fp32 export in the diff: the command cannot name it
     v = build_verdict(report, {k: f for k, f in facts.items() if k != "fp32"})
     assert not v["fix"]["pasteable"] and v["fix"]["argv"][2] == "FP32_EXPORT"
-    assert "FP32_EXPORT: the fp32 export it was quantized from" in v["text"]
+    assert "; FP32_EXPORT: the fp32 export it was quantized from), quantize again" in v["text"]
     report["variants"] = [{**x, "ppl": {**x["ppl"]}} for x in report["variants"]]
     report["verdict"] = v
     assert f"verdict: {v['text']}" in summary_markdown(report)

@@ -241,8 +241,8 @@ def _explain(v: dict[str, Any], variants: list[dict[str, Any]], facts: dict[str,
     out = _free_path(f"{v['path'].rstrip('/')}-fix")
     argv = quantize_argv(source or "FP32_EXPORT", out, options, layers)
     command = shlex.join(argv)
-    hint = "" if source else " (FP32_EXPORT: the fp32 export it was quantized from)"
-    text.append(f"To cut it ({changes}): `{command}`{hint}, then diff the new export.")
+    hint = "" if source else "; FP32_EXPORT: the fp32 export it was quantized from"
+    text.append(f"To cut it ({changes}{hint}), quantize again and diff the result: `{command}`")
     return error, {"variant": v["name"], "argv": argv, "command": command, "output": out, "layers": layers,
                    "pasteable": source is not None}, text
 
