@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP    ?= $(PYTHON) -m pip
 STAMP  := .setup-done
 
-.PHONY: setup demo test test-fast lint bench bench-ortgenai arm64 clean help
+.PHONY: setup browser demo test test-fast lint bench bench-ortgenai arm64 clean help
 
 help:            ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -19,10 +19,19 @@ setup: $(STAMP)  ## install edgellm with the host and dev extras (torch pinned =
 demo: $(STAMP)   ## the main job: train the embedded default, export, quantize, run, diff (out/demo)
 	$(PYTHON) -m edgellm demo -o out/demo
 
-test: $(STAMP)   ## the whole test suite (what CI runs)
+# tests/test_diff_browser.py opens the diff report in headless Chromium. As root (CI) it is installed with apt
+# when missing; elsewhere a note, and the test skips with the reason (it fails under CI=true instead).
+browser:         ## headless Chromium for the report's browser test (apt-get install as root)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	command -v google-chrome >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: no chromium and not root: tests/test_diff_browser.py will skip (apt-get install -y chromium)"; fi; }
+
+test: $(STAMP) browser  ## the whole test suite (what CI runs)
 	$(PYTHON) -m pytest tests
 
-test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
+test-fast: $(STAMP) browser  ## the suite without the slow end-to-end tests
 	$(PYTHON) -m pytest tests -m 'not slow'
 
 lint: $(STAMP)   ## ruff

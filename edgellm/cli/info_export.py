@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from edgellm.runtime.engine import runs_stack
@@ -62,3 +63,54 @@ def describe_export(path: Path) -> None:
     if graphs:
         checks.insert(0, f"max relative |onnx - torch| {max(graphs.values()):.3g} over {len(graphs)} graphs")
     print("verification: " + ("; ".join(checks) if checks else "none recorded"))
+    print(next_step(path, m))
+
+
+def _quality(m: Manifest) -> tuple[str, bool | None]:
+    """(the expected quality from the manifest's recorded check, whether it meets the default diff bar;
+    None when nothing was recorded)."""
+    from edgellm.diff.verdict import BAR_KL, BAR_TOP1, bar_text, parse_gate  # light: no torch
+
+    bar = bar_text(parse_gate(f"kl>{BAR_KL:g},top1<{BAR_TOP1:g}"))
+    if m.quantization is None:
+        graphs = [v for k, v in m.verification.items() if "." in k]
+        if not graphs:
+            return "no recorded check", None
+        return f"matches PyTorch to {max(graphs):.2g} (max relative, edgellm export's check)", True
+    check = m.quantization.get("check") if isinstance(m.quantization.get("check"), dict) else None
+    if check is None or not {"top1_agreement", "mean_kl"} <= set(check):
+        return "quality not checked (quantized with --no-check)", None
+    ok = check["mean_kl"] <= BAR_KL and check["top1_agreement"] >= BAR_TOP1
+    return (f"top-1 {100 * check['top1_agreement']:.1f} %, mean KL {check['mean_kl']:.2g} vs fp32 on "
+            f"{check.get('positions', '?')} positions ({'within' if ok else 'MISSES'} {bar})"), ok
+
+
+def run_command(path: Path, m: Manifest) -> str:
+    """A pasteable `edgellm run` for this export: text prompt, chat, or token ids when it has no tokenizer."""
+    cmd = ["edgellm", "run", str(path)]
+    tok = m.tokenizer
+    if tok is None:
+        cmd += ["--prompt-ids", str(m.bos_id if m.bos_id is not None else 0)]
+    elif tok["chat_template"]:
+        cmd += ["--chat", "--prompt", "Hello! Who are you?"]
+    else:
+        cmd += ["--prompt", "Once upon a time"]
+    return shlex.join(cmd)
+
+
+def next_step(path: Path, m: Manifest, size_note: str = "", source: Path | None = None) -> str:
+    """The one line `edgellm info` and `edgellm quantize` end with: size, expected quality, next command.
+    `source`: the fp32 export a quantized one came from (known to `edgellm quantize`)."""
+    size = sum(f.bytes for f in m.files.values()) / 1e6
+    if not size_note and m.quantization is not None:
+        wb = m.quantization.get("weight_bytes") or {}
+        if wb.get("before"):
+            size_note = f", weights {wb['after'] / wb['before']:.2f}x of fp32"
+    quality, ok = _quality(m)
+    if ok is False or (ok is None and m.quantization is not None):
+        exports = [str(source), str(path)] if source is not None else [str(path)]
+        cmd = shlex.join(["edgellm", "diff", "CHECKPOINT", *exports, "-o", f"{str(path).rstrip('/')}-report"])
+        nxt = f"{cmd} (CHECKPOINT: the model you exported) to see which layers to --keep / --int8-layers"
+    else:
+        nxt = run_command(path, m)
+    return f"{path}: {size:.2f} MB{size_note}; {quality}; next: {nxt}"

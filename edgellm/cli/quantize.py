@@ -104,5 +104,7 @@ def run(args: argparse.Namespace) -> int:
         c = result.check
         print(f"check vs fp32 ({c.positions} sampled positions): top-1 agreement {c.top1_agreement:.1%}, "
               f"mean KL {c.mean_kl:.2e}, max |logit diff| {c.max_abs_diff:.3g}")
-    print(f"wrote {args.output}")
+    from .info_export import next_step
+
+    print("wrote " + next_step(args.output, result.manifest, f" ({a / b:.2f}x of {args.export})", args.export))
     return 0

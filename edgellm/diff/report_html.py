@@ -9,28 +9,40 @@ from typing import Any
 from . import plots
 from .report_md import COLUMNS, fmt, summary_row
 
-SECTIONS = ("summary", "per-layer", "logits", "perplexity", "greedy", "gate", "setup")
+OPEN_LAYERS = 12  # per-layer tables of deeper models start collapsed
+SECTIONS = ("verdict", "summary", "per-layer", "logits", "perplexity", "greedy", "gate", "setup")
 
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222;padding:0 1em}
-table{border-collapse:collapse;margin:.6em 0 1.2em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;white-space:pre-wrap}
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1320px;color:#222;padding:0 1em}
+table{border-collapse:collapse;margin:.6em 0 1.2em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td{white-space:nowrap}
 th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}.bad{background:#fdd}.ok{background:#dfd}
-.text td,.text th{text-align:left}code{background:#f4f4f4;padding:0 3px}img{max-width:100%}h2{border-bottom:1px solid #ddd;margin-top:1.6em}
+.text td,.text th{text-align:left}.text td{white-space:pre-wrap}summary{cursor:pointer;color:#345}code{background:#f4f4f4;padding:0 3px}img{max-width:100%;height:auto}
+h2{border-bottom:1px solid #ddd;margin-top:1.6em}.plots{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}
+#verdict p{background:#f6f8ff;border-left:4px solid #4a6fd8;padding:.7em 1em;font-size:1.05em;line-height:1.5;max-width:80em}
+#verdict code{display:block;margin:.4em 0;padding:.3em .6em;word-break:break-all;background:#e8ecf8}
 """
-
 
 def _table(header: Sequence[str], rows: list[list[str]], marks: list[str] | None = None, cls: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = []
     for n, row in enumerate(rows):
-        cls = f' class="{marks[n]}"' if marks and marks[n] else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
+        mark = f' class="{marks[n]}"' if marks and marks[n] else ""  # the row's, not the table's `cls`
+        body.append(f"<tr{mark}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     attr = f' class="{cls}"' if cls else ""
     return f"<table{attr}><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def _img(b64: str, alt: str) -> str:
     return f'<img src="data:image/png;base64,{b64}" alt="{html.escape(alt)}">'
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    """The verdict paragraph (verdict.py), `code` spans as <code>."""
+    verdict = report.get("verdict")
+    if verdict is None:
+        return "<p>No verdict (report written without one).</p>"
+    parts = html.escape(verdict["text"]).split("`")
+    return "<p>" + "".join(f"<code>{p}</code>" if n % 2 else p for n, p in enumerate(parts)) + "</p>"
 
 
 def _section(key: str, title: str, body: str) -> str:
@@ -70,9 +82,12 @@ def _per_layer(report: dict[str, Any]) -> str:
             marks.append("bad" if entry["layer"] == pl["first_drift_layer"] else "")
         drift = pl["first_drift_layer"]
         jump = pl["largest_jump_layer"]
+        shut = len(pl["layers"]) > OPEN_LAYERS  # deep models: the table is one click away, the plot is the overview
         parts.append(f"<h3>{html.escape(v['name'])}</h3><p>{html.escape(pl['note'])} First drift layer: "
                      f"<b>{'none' if drift is None else drift}</b>; largest jump: "
-                     f"<b>{'none' if jump is None else jump}</b>.</p>" + _table(header, rows, marks))
+                     f"<b>{'none' if jump is None else jump}</b>.</p>"
+                     f"<details{'' if shut else ' open'}><summary>{len(pl['layers'])} layers: every error</summary>"
+                     + _table(header, rows, marks, "num") + "</details>")
     return "".join(parts)
 
 
@@ -92,7 +107,7 @@ def _logits(report: dict[str, Any]) -> str:
              "distributions, whether the argmax agrees (top-1), the overlap of the top-5 sets, and Δp = the "
              "probability the export gives PyTorch's top token minus PyTorch's own (worst = most negative).</p>")
     hists = "".join(_img(plots.kl_histogram_png(v), f"KL histogram {v['name']}") for v in report["variants"])
-    return intro + _table(header, rows) + hists
+    return intro + _table(header, rows) + f'<div class="plots">{hists}</div>'
 
 
 def _perplexity(report: dict[str, Any]) -> str:
@@ -156,6 +171,7 @@ def render_html(report: dict[str, Any]) -> str:
     failed = {f["variant"] for f in (report.get("gate") or {}).get("failed", [])}
     summary = _table(COLUMNS, [summary_row(v) for v in variants], ["bad" if v["name"] in failed else "" for v in variants])
     body = "".join([
+        _section("verdict", "Verdict", _verdict(report)),
         _section("summary", "Summary", summary),
         _section("per-layer", "Per-layer errors", _per_layer(report)),
         _section("logits", "Logits (KL, top-1, top-5, Δp)", _logits(report)),

@@ -15,6 +15,12 @@ Version 1 layout (keys of the top-level object):
   greedy {prompts [{start, prompt_len, reference, export, agree, + prompt_text, reference_text, export_text
   when a tokenizer is at hand}], agreed, total, agreement, identical},
   seconds. Tensor errors are {cosine, max_abs, rel_rms, snr_db}.
+  verdict (added by writer.write_report; absent from reports written before it existed): bar {conditions
+  ["kl>0.05", ...] (failure conditions, as --fail-if), source "--fail-if"|"default"}, variants [{name, bytes,
+  passes, failed ["kl>0.05 (0.12)"], kl, top1, quantized, size_vs_fp32}], ship {name, bytes, size_vs_fp32} |
+  null (the smallest variant passing the bar), error {variant, layers [{layer, growth, error, worst_weight?,
+  weight_rel_rms_err?}]} | null, fix {variant, argv, command, output, layers, pasteable} | null (an
+  `edgellm quantize` command), text (the paragraph shown in report.html and the terminal).
 Numbers that are not finite are written as the strings "inf", "-inf", "nan" (JSON has no such numbers);
 `load_report` turns them back into floats.
 """

@@ -1,4 +1,4 @@
-"""The terminal summary: one Markdown table row per variant, plus the gate verdict."""
+"""The terminal summary: one Markdown table row per variant, the verdict paragraph (verdict.py) and the gate."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def summary_markdown(report: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     ref = ", ".join(f"{fmt(p, '.4g')} (max_seq {s})" for s, p in report["reference"]["ppl"].items())
     lines.append(f"\nPyTorch PPL: {ref} on {report['text']['n_tokens']} tokens ({report['text']['source']} text)")
+    verdict = report.get("verdict")
+    if verdict is not None:
+        lines.append(f"\nverdict: {verdict['text']}\n")
     gate = report.get("gate")
     if gate is not None:
         if gate["passed"]:

@@ -10,6 +10,7 @@ from edgellm.runtime.fileio import atomic_dir
 
 from .report_html import render_html
 from .report_json import dumps_report
+from .verdict import add_verdict
 
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
@@ -26,9 +27,12 @@ def check_target(out_dir: Path) -> None:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> Path:
-    """Fill a temporary sibling of `out_dir`, then rename it into place. An existing `out_dir` is replaced
+    """Add the verdict (verdict.py) unless the report has one, fill a temporary sibling of `out_dir`, then
+    rename it into place. An existing `out_dir` is replaced
     only if it holds a report.json (a mistyped -o never deletes an unrelated directory)."""
     out_dir = Path(out_dir)
+    if "verdict" not in report:
+        add_verdict(report)  # reads the exports' manifests (sizes, per-weight errors); the caller sees it too
     html = render_html(report)  # render first: a plotting error leaves nothing behind
     text = dumps_report(report)
     if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
