@@ -76,7 +76,10 @@ def display_tokenizer(exports: list[tuple[Path, Manifest]], fallback: Path | Non
 
 def add_greedy_text(variant: dict[str, Any], tokens: list[int], tok: Tokenizer) -> None:
     """Decode each greedy prompt and both continuations into the variant's report (for readers)."""
+    def text(ids: list[int]) -> str:  # padded vocabularies (Qwen): rows past the tokenizer's tokens have no text
+        return tok.decode([i for i in ids if i < tok.vocab_size])
+
     for p in variant["greedy"]["prompts"]:
-        p["prompt_text"] = tok.decode(tokens[p["start"]:p["start"] + p["prompt_len"]])
-        p["reference_text"] = tok.decode(p["reference"])
-        p["export_text"] = tok.decode(p["export"])
+        p["prompt_text"] = text(tokens[p["start"]:p["start"] + p["prompt_len"]])
+        p["reference_text"] = text(p["reference"])
+        p["export_text"] = text(p["export"])
