@@ -185,6 +185,8 @@ def test_run_prompt_ids_equal_transformers(exports, capsys, family, style, adds)
         assert (want[0] == STYLES[style][2][0]) is adds
     main(["info", str(out)])
     assert ("put in front of text prompts" in capsys.readouterr().out) is adds
+    main(["info", str(hf)])
+    assert f"(BOS {'put' if adds else 'not put'} in front of text prompts)" in capsys.readouterr().out
 
 
 @pytest.mark.slow
