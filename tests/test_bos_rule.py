@@ -92,6 +92,11 @@ def exports(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, torch.n
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = save_hf(family, hf, vocab_size=VOCAB, bos_token_id=bos, eos_token_id=eos)
+            with torch.no_grad():  # sharper attention than the 0.02-std init, so a leading BOS changes the output
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.mul_(4.0)
+            model.save_pretrained(hf)
         write_tokenizer(hf, style)
         assert main(["export", str(hf), "-o", str(out), "--max-seq", "128", "--prefill-chunk", "8",
                      "--no-progress"]) == 0
@@ -193,15 +198,24 @@ def test_run_prompt_ids_equal_transformers(exports, capsys, family, style, adds)
 @pytest.mark.parametrize(("family", "style"), [("llama", "llama2"), ("qwen2", "qwen")])
 def test_greedy_equals_transformers_generate(exports, capsys, family, style):
     hf, out, model = exports[(family, style)]
-    eos = STYLES[style][2][1]
-    for text in TEXTS[:3]:
-        (doc,) = cli_json(capsys, str(out), "--prompt", text, "--max-new-tokens", "10")
-        ids = torch.tensor([reference_ids(hf, text)])
+    bos, eos = STYLES[style][2]
+
+    def generate(prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
         with torch.no_grad():
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                                  eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:].tolist()
-        want = new[:new.index(eos)] if eos in new else new
+        return new[:new.index(eos)] if eos in new else new
+
+    other = 0  # texts whose continuation changes with the BOS choice: the test can tell the rules apart
+    for text in TEXTS[:3]:
+        (doc,) = cli_json(capsys, str(out), "--prompt", text, "--max-new-tokens", "10")
+        ids = reference_ids(hf, text)
+        want = generate(ids)
         assert doc["token_ids"] == want and len(want) > 0, text
+        flipped = ids[1:] if ids[0] == bos else [bos, *ids]
+        other += generate(flipped) != want
+    assert other > 0
 
 
 @pytest.mark.slow
