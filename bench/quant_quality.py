@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from edgellm.export import ExportOptions, export_model
+from edgellm.export.bos_rule import checkpoint_add_bos
 from edgellm.loaders import load_checkpoint
 from edgellm.quant.calibrate import sample_sequences
 from edgellm.quant.export_dir import quantize_export
@@ -78,12 +79,15 @@ def export(ckpt: Path, out: Path) -> Path:
     if not (out / "manifest.json").is_file():
         loaded = load_checkpoint(ckpt)
         options = ExportOptions(max_seq=MAX_SEQ, prefill_chunk=32)
-        export_model(loaded.model, out, options, loaded.tokenizer_path, progress=False, log=lambda _: None)
+        add_bos = checkpoint_add_bos(loaded.source, loaded.tokenizer_path, loaded.config.bos_id)
+        export_model(loaded.model, out, options, loaded.tokenizer_path, progress=False, log=lambda _: None,
+                     add_bos=add_bos)
     return out
 
 
 def eval_sequences(name: str, fp32: Path, n_tokens: int, text_file: Path) -> list[list[int]]:
-    """Held-out token sequences (BOS first, <= SEQUENCE tokens each) totalling ~n_tokens."""
+    """Held-out token sequences (BOS first when the export's rule adds one, <= SEQUENCE tokens each) totalling
+    ~n_tokens."""
     if name == "stories260k":
         return sample_sequences(fp32, n_tokens, seed=50_000, length=SEQUENCE)
     from edgellm.train.corpus import generate_corpus
@@ -94,7 +98,8 @@ def eval_sequences(name: str, fp32: Path, n_tokens: int, text_file: Path) -> lis
     text_file.write_text("\n\n".join(stories[:40]) + "\n", encoding="utf-8")    # for `edgellm diff --text`
     sequences, total = [], 0
     for s in stories:
-        seq = ([m.bos_id] + tok.encode(s))[:SEQUENCE]
+        seq = ([m.bos_id] if m.add_bos else []) + tok.encode(s)
+        seq = seq[:SEQUENCE]
         sequences.append(seq)
         total += len(seq)
         if total >= n_tokens:

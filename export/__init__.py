@@ -8,6 +8,7 @@
     stacking.py   the embedding and every layer as one graph (the runtime's 2-runs-per-token path)
     e2e.py        end-to-end check through the runtime's cache rule; journal.py: resumable exports
     exporter.py   export_model: all of the above into an export directory
+    tokenizer_files.py, bos_rule.py   the tokenizer, chat template, end ids and BOS rule an export ships
 
 Names are imported on first use, so the graph-layout modules (pairing, stacking; onnx only) load without torch.
 """

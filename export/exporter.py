@@ -28,6 +28,7 @@ from edgellm.runtime.graphio import dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 
+from .bos_rule import add_bos_rule, rule_notes
 from .e2e import check_end_to_end
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
@@ -53,9 +54,11 @@ def _stderr(message: str) -> None:
 
 def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: Path | None = None,
                  log: Callable[[str], None] = _stderr, progress: bool = True,
-                 chat_template: Path | None = None) -> Manifest:
+                 chat_template: Path | None = None, add_bos: bool | None = None) -> Manifest:
     """Export, verify (every graph and end to end) and write `out`; returns the manifest written. The chat
     template is `chat_template` (a .jinja or tokenizer_config.json) or else the one beside `tokenizer`.
+    `add_bos` (whether text prompts get BOS) defaults to what `tokenizer` defines (bos_rule.add_bos_rule);
+    `edgellm export` passes the checkpoint's rule (bos_rule.checkpoint_add_bos).
 
     Leaves `model` in eval mode with its RoPE built for `options.max_seq` (what the graphs compute).
     """
@@ -68,6 +71,12 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     loaded_tok = check_tokenizer(tokenizer, cfg)
     found = read_chat_template(chat_template) if chat_template is not None else find_chat_template(tokenizer)
     template = check_chat_template(found, loaded_tok, cfg) if found is not None else None
+    if tokenizer is not None:
+        if add_bos is None:
+            add_bos = cfg.bos_id is not None and add_bos_rule(tokenizer, cfg.bos_id)
+        need(not add_bos or cfg.bos_id is not None, "add_bos: the model has no BOS id to put in front")
+        for note in rule_notes(tokenizer, add_bos):
+            log(note)
     model.eval()
     model.set_context_len(options.max_seq)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
@@ -106,7 +115,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         if template is not None:
             (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
         files |= describe_files(partial, [rel] + ([CHAT_TEMPLATE] if template is not None else []))
-        tok_entry = {"file": rel, "kind": kind, "chat_template": CHAT_TEMPLATE if template is not None else None}
+        tok_entry = {"file": rel, "kind": kind, "chat_template": CHAT_TEMPLATE if template is not None else None,
+                     "add_bos": bool(add_bos)}
     verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
     manifest = Manifest(
         edgellm_version=__version__, preset=cfg.preset, config=cfg.to_dict(), granularity=options.granularity,

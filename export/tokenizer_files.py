@@ -16,6 +16,8 @@ from edgellm.runtime.chat import ChatTemplate, read_text
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 
+from .bos_rule import add_bos_rule as add_bos_rule  # whether text prompts get BOS (bos_rule.py)
+
 TOKENIZER_KINDS = {".json": ("tokenizer.json", "hf"), ".bin": ("tokenizer.bin", "llama2c")}
 CHAT_TEMPLATE = "chat_template.jinja"  # its name in an export
 

@@ -11,8 +11,10 @@ Speed: in a process of its own, open with `config=SessionConfig(threads=..., sha
 onnxruntime thread pool for all graphs, what `edgellm run` uses (stories15M decode ~1.6x faster). It is off
 by default because onnxruntime then requires every other session in the process to use that pool too.
 
-Prompts: text is tokenized and BOS (the manifest's `bos_id`) is put in front when the context starts
-empty; a list of token ids is used exactly as given (no BOS added) and needs no tokenizer. A prompt longer
+Prompts: text is tokenized and, when the context starts empty, BOS (the manifest's `bos_id`) is put in front
+if the checkpoint's tokenizer puts one there (manifest `tokenizer.add_bos`, export/bos_rule.py: Llama yes,
+Qwen no), so the ids are `transformers`' `tokenizer(text).input_ids`; a list of token ids is used exactly as
+given (no BOS added) and needs no tokenizer. A prompt longer
 than the context is an error unless `truncate=True`, which keeps the last
 `max_seq - min(max_new_tokens, max_seq // 2)` tokens (room for the answer, but never less than half the
 context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messages)` renders a conversation
@@ -104,6 +106,7 @@ class Generator:
         self.clock = RunClock()
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id
+        self.add_bos = m.add_bos  # text prompts get bos_id in front (the checkpoint's rule)
         self.eos_ids = frozenset(m.eos_ids)  # any of them ends generation
         self.default_sampling = SamplingParams.from_dict(m.sampler, f"{self.directory}/manifest.json: sampler")
         # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
@@ -136,13 +139,14 @@ class Generator:
     # ------------------------------------------------------------------------------------------ prompts
 
     def encode(self, prompt: str | Sequence[int], fresh: bool = True) -> list[int]:
-        """Token ids for a prompt: text is tokenized (BOS in front when `fresh`), ids are checked."""
+        """Token ids for a prompt: text is tokenized (BOS in front when `fresh` and the export's rule adds one),
+        ids are checked and used as given."""
         if isinstance(prompt, str):
             need(prompt != "", "--prompt: expected a non-empty prompt")
             need(self.tokenizer is not None,
                  f"--prompt: {self.directory} has no tokenizer; pass token ids (--prompt-ids)")
             ids = self.tokenizer.encode(prompt)
-            bos = [self.bos_id] if fresh and self.bos_id is not None else []
+            bos = [self.bos_id] if fresh and self.add_bos else []
             ids = bos + ids
             need(len(ids) > 0, "--prompt: the prompt encodes to no tokens")
             return ids

@@ -17,6 +17,9 @@ readers accept exactly the versions listed):
   6  adds `eos_ids` (every token id that ends generation, `eos_id` first: chat models end a turn with a token
      of their own, e.g. Llama 3's <|eot_id|>) and `tokenizer.chat_template` (a Jinja file, or null;
      runtime/chat.py). Versions 1-5 read as eos_ids = [eos_id] and no template.
+  7  adds `tokenizer.add_bos`: whether a text prompt gets `bos_id` in front, as the checkpoint's tokenizer
+     defines it (export/bos_rule.py; false for Qwen2/2.5/3 and SmolLM2). Versions 1-6 read as
+     add_bos = (bos_id is not null), what their runtime did.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -38,12 +41,12 @@ from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 6
-READS = (1, 2, 3, 4, 5, 6)  # the versions this reader accepts
+FORMAT_VERSION = 7
+READS = (1, 2, 3, 4, 5, 6, 7)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
-TOKENIZER_KEYS = ("file", "kind", "chat_template")
+TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -82,7 +85,8 @@ class Manifest:
     opset: int
     graphs: tuple[GraphSpec, ...]
     files: dict[str, FileSpec]                   # every file but manifest.json, by relative path
-    tokenizer: dict | None = None                # {"file": relpath, "kind": str, "chat_template": relpath | None}
+    tokenizer: dict | None = None                # {"file": relpath, "kind": str, "chat_template": relpath | None,
+                                                 #  "add_bos": bool}
     bos_id: int | None = None
     eos_id: int | None = None
     eos_ids: tuple[int, ...] = ()                # every id that ends generation: eos_id first, or none
@@ -118,6 +122,11 @@ class Manifest:
     @property
     def vocab_size(self) -> int:
         return self.dims.vocab_size
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether text prompts get `bos_id` in front (token-id prompts never do)."""
+        return self.tokenizer is not None and self.tokenizer["add_bos"]
 
     @property
     def has_stack(self) -> bool:
@@ -192,6 +201,9 @@ class Manifest:
                  f"tokenizer.chat_template: {template!r} is not listed in files")
             need(template is None or self.tokenizer["kind"] == "hf",
                  "tokenizer.chat_template: needs a Hugging Face tokenizer (kind 'hf')")
+            add_bos = self.tokenizer["add_bos"]
+            need(isinstance(add_bos, bool), f"tokenizer.add_bos: expected true or false, got {add_bos!r}")
+            need(not add_bos or self.bos_id is not None, "tokenizer.add_bos: true needs a bos_id")
         for key in ("bos_id", "eos_id"):
             tok = getattr(self, key)
             need(tok is None or 0 <= tok < dims.vocab_size, f"{key}: expected 0..{dims.vocab_size - 1}, got {tok}")
@@ -304,6 +316,8 @@ def _parse(doc: object) -> Manifest:
         tok = doc.get("tokenizer")
         doc = {**doc, "eos_ids": [eos] if is_int(eos) else [],
                **({"tokenizer": {**tok, "chat_template": None}} if isinstance(tok, dict) else {})}
+    if version < 7 and isinstance(doc.get("tokenizer"), dict):  # BOS went in front of every text prompt
+        doc = {**doc, "tokenizer": {**doc["tokenizer"], "add_bos": is_int(doc.get("bos_id"))}}
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from edgellm.export import ExportOptions, export_model
 from edgellm.model import Decoder, ModelConfig
@@ -27,13 +27,14 @@ OPTIONS = dict(max_seq=64, prefill_chunk=8)
 
 
 def write_byte_tokenizer(path: Path) -> Tokenizer:
-    """A byte-level BPE with no merges: one token per byte (259 tokens)."""
+    """A byte-level BPE with no merges: one token per byte (259 tokens); Llama-style, it puts <s> in front."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate(SPECIALS + alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(path))
     return tok
 

@@ -34,8 +34,9 @@ def test_json_schema(export, capsys):
     code, out, err = run(capsys, "run", export, "--prompt", "a", "--temperature", "0", "--json", "--threads", "1")
     assert code == 0 and err == ""
     doc = json.loads(out)
-    assert list(doc) == ["schema", "version", "text", "token_ids", "finish_reason", "stats"]
-    assert (doc["schema"], doc["version"], doc["text"], doc["finish_reason"]) == ("edgellm-run", 1, CHAIN, "eos")
+    assert list(doc) == ["schema", "version", "text", "token_ids", "finish_reason", "prompt_ids", "stats"]
+    assert (doc["schema"], doc["version"], doc["text"], doc["finish_reason"]) == ("edgellm-run", 2, CHAIN, "eos")
+    assert doc["prompt_ids"] == Generator.open(export).encode("a") and doc["prompt_ids"][0] == 1  # BOS, then "a"
     assert len(doc["token_ids"]) == 6 and set(doc["stats"]) == STATS_KEYS
     assert doc["stats"]["prompt_tokens"] == 2
 

@@ -57,7 +57,7 @@ def test_cli_export_writes_a_complete_manifest(cli_export):
     cfg = model.cfg
     assert (m.preset, m.granularity, m.max_seq, m.prefill_chunk, m.opset) == ("qwen2", "layer", 64, 8, 20)
     assert m.config == cfg.to_dict() and (m.bos_id, m.eos_id) == (cfg.bos_id, cfg.eos_id)
-    assert m.tokenizer == {"file": "tokenizer.json", "kind": "hf", "chat_template": None}
+    assert m.tokenizer == {"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}
     assert (out / "tokenizer.json").read_bytes() == (root / "tokenizer.json").read_bytes()
     assert m.sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0}
     assert m.quantization is None and m.export_options["prefill_chunk"] == 8

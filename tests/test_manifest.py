@@ -3,6 +3,7 @@ byte-level fuzzing that must only ever produce EdgeError. (The file helpers: tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -39,7 +40,7 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
         edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, kv_layout=kv_layout,
         max_seq=16,
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
-        tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None}, bos_id=1, eos_id=2, eos_ids=(2, 5),
+        tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
         verification={g.name: 1e-6 for g in graphs},
     )
@@ -69,7 +70,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 6
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 7
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -93,11 +94,33 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
 def test_version_5_reads_with_one_eos_id_and_no_chat_template(tmp_path: Path) -> None:
     """Format 6 added eos_ids and tokenizer.chat_template: a format-5 manifest has neither key."""
     make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=5), d.pop("eos_ids"), d["tokenizer"].pop("chat_template")))
+    edit(tmp_path, lambda d: (d.update(format_version=5), d.pop("eos_ids"), d["tokenizer"].pop("chat_template"),
+                              d["tokenizer"].pop("add_bos")))
     got = read_manifest(tmp_path)
     assert (got.eos_id, got.eos_ids, got.tokenizer["chat_template"]) == (2, (2,), None)
     edit(tmp_path, lambda d: d.update(eos_id=None))
     assert read_manifest(tmp_path).eos_ids == ()
+
+
+def test_version_6_reads_add_bos_from_bos_id(tmp_path: Path) -> None:
+    """Format 7 added tokenizer.add_bos; formats 1-6 put BOS in front of text whenever there was a bos_id."""
+    make_export(tmp_path)
+    edit(tmp_path, lambda d: (d.update(format_version=6), d["tokenizer"].pop("add_bos")))
+    got = read_manifest(tmp_path)
+    assert got.tokenizer["add_bos"] is True and got.add_bos
+    edit(tmp_path, lambda d: d.update(bos_id=None))
+    assert read_manifest(tmp_path).add_bos is False
+    edit(tmp_path, lambda d: (d.update(bos_id=1), d["tokenizer"].update(add_bos=False)))
+    assert read_manifest(tmp_path).add_bos is True  # format 6's rule, whatever the (unknown to it) key says
+
+
+def test_add_bos_round_trips(tmp_path: Path) -> None:
+    written = make_export(tmp_path)
+    edit(tmp_path, lambda d: d["tokenizer"].update(add_bos=False))
+    got = read_manifest(tmp_path)
+    assert got.add_bos is False and got.to_json() == dataclasses.replace(
+        written, tokenizer={**written.tokenizer, "add_bos": False}).to_json()
+    assert json.loads(got.to_json())["tokenizer"]["add_bos"] is False
 
 
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
@@ -196,8 +219,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6\)")
+    edit(tmp_path, lambda d: d.update(format_version=8, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 8 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6, 7\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -222,6 +245,10 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d.pop("eos_ids"), r"missing key\(s\) \['eos_ids'\]"),
     (lambda d: d["tokenizer"].update(chat_template="chat.jinja"), "tokenizer.chat_template: 'chat.jinja' is not listed"),
     (lambda d: d["tokenizer"].pop("chat_template"), "tokenizer: expected keys 'file', 'kind', 'chat_template'"),
+    (lambda d: d["tokenizer"].pop("add_bos"), "tokenizer: expected keys 'file', 'kind', 'chat_template', 'add_bos'"),
+    (lambda d: d["tokenizer"].update(add_bos=1), "tokenizer.add_bos: expected true or false, got 1"),
+    (lambda d: d["tokenizer"].update(add_bos="yes"), "tokenizer.add_bos: expected true or false, got 'yes'"),
+    (lambda d: d.update(bos_id=None), "tokenizer.add_bos: true needs a bos_id"),
     (lambda d: d.update(sampler={"top_p": 2}), "sampler: --top-p"),
     (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
     (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),

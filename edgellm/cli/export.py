@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from edgellm.export import ExportOptions, export_model  # torch/onnx only when the verb runs
+    from edgellm.export.bos_rule import checkpoint_add_bos
     from edgellm.loaders import load_checkpoint
 
     # the flags are checked before the (possibly slow) load; the model's own limits after it
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.checkpoint)
     if args.max_seq is None and loaded.config.max_seq_len < max_seq:
         options = dataclasses.replace(options, max_seq=loaded.config.max_seq_len)
+    add_bos = checkpoint_add_bos(loaded.source, loaded.tokenizer_path, loaded.config.bos_id)
     export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress,
-                 chat_template=args.chat_template)
+                 chat_template=args.chat_template, add_bos=add_bos)
     return 0

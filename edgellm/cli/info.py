@@ -52,5 +52,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"parameters: {n_params}")
     print(f"size fp32: {n_params * 4 / 1e6:.2f} MB")
     print(f"size on disk: {_disk_bytes(args.checkpoint) / 1e6:.2f} MB")
-    print(f"tokenizer: {loaded.tokenizer_path or 'none'}")
+    from edgellm.export.bos_rule import checkpoint_add_bos
+    from edgellm.runtime.errors import EdgeError
+
+    rule = ""
+    if loaded.tokenizer_path is not None:
+        try:
+            bos = checkpoint_add_bos(loaded.source, loaded.tokenizer_path, cfg.bos_id)
+            rule = f" (BOS {'put' if bos else 'not put'} in front of text prompts)"
+        except EdgeError as err:  # export would refuse it; info still describes the checkpoint
+            rule = f" (BOS rule: {err})"
+    print(f"tokenizer: {loaded.tokenizer_path or 'none'}{rule}")
     return 0

@@ -56,7 +56,7 @@ def describe_export(path: Path) -> None:
     chat = f"; chat template {tok['chat_template']} (run --chat)" if tok and tok["chat_template"] else ""
     eos = ", ".join(map(str, m.eos_ids)) or "none"
     print(f"tokenizer: {tok['file'] + ' (' + tok['kind'] + ')' if tok else 'none (token ids only)'}; "
-          f"bos {m.bos_id}, eos {eos}{chat}")
+          f"bos {m.bos_id}{' (put in front of text prompts)' if m.add_bos else ''}, eos {eos}{chat}")
     print("sampler defaults: " + ", ".join(f"{k} {v}" for k, v in m.sampler.items()))
     graphs = {k: v for k, v in m.verification.items() if "." in k}
     checks = [f"{k} {v:.3g}" for k, v in m.verification.items() if k not in graphs]

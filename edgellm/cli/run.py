@@ -2,7 +2,8 @@
 
 Text streams to stdout as it is generated; one stats line (prompt tokens, time to first token, prefill
 and decode tok/s, peak RSS) follows on stderr. `--json` prints one JSON object instead:
-{"schema": "edgellm-run", "version": 1, "text", "token_ids", "finish_reason", "stats": {...}}.
+{"schema": "edgellm-run", "version": 2, "text", "token_ids", "finish_reason", "prompt_ids", "stats": {...}}
+(version 2 added `prompt_ids`, the ids fed for the prompt: BOS first when the checkpoint's tokenizer adds one).
 Sampling flags left out take the export's defaults (manifest `sampler`).
 `--interactive` reads prompts from stdin, one per line, until EOF; the context carries over between turns
 (each later turn is fed as "\\n" + the line) until it is full, then it is reset with a notice on stderr.
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 JSON_SCHEMA = "edgellm-run"
-JSON_VERSION = 1
+JSON_VERSION = 2
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", type=Path, help="export directory (holds manifest.json)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="prompt text (BOS is added in front)")
+    prompt.add_argument("--prompt", help="prompt text (BOS goes in front when the checkpoint's tokenizer adds one: "
+                                         "`edgellm info DIR` says)")
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, used as given (no tokenizer "
                                              "needed)")
     p.add_argument("--max-new-tokens", default="256", help="at most this many new tokens (default 256)")
@@ -43,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop when the text contains STR (not printed); repeatable")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="print text as it is generated (default) or all at the end")
-    p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-run v1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-run v2)")
     p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line, until EOF")
     p.add_argument("--chat", action="store_true",
                    help="the prompt is a user message, rendered with the export's chat template")
@@ -178,7 +180,10 @@ def _show(gen, events, args: argparse.Namespace):
             sys.stdout.flush()
     assert result is not None
     if args.json:
-        print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, **result.to_dict()}))
+        doc = result.to_dict()
+        doc = {k: v for k, v in doc.items() if k != "stats"} | {"prompt_ids": list(result.prompt_ids),
+                                                                "stats": doc["stats"]}
+        print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, **doc}))
         return result
     if not stream:
         sys.stdout.write(" ".join(map(str, result.token_ids)) if no_text else result.text)

@@ -3,7 +3,7 @@
 Version 1 layout (keys of the top-level object):
   schema, version, edgellm_version, created (UTC ISO-8601), checkpoint {path, source},
   text {source: "file"|"generated", path + tokenizer | seed, n_tokens, start_id (BOS; EOS for BOS-less
-  models when generated; null), tokens [T]},
+  models when generated; null for a file whose tokenizer adds no BOS, as `edgellm run` tokenizes), tokens [T]},
   settings {text, generated, tokens, prompts, prompt_len, continuation, seed, jump_factor, jump_floor,
   fail_if, verify_sha, threads},
   reference {ppl: {max_seq: ppl}}, variants [...], gate {conditions, failed [...], passed} | null, seconds.

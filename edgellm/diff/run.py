@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.export.bos_rule import checkpoint_add_bos
 from edgellm.loaders.loaded import Loaded
 from edgellm.runtime.errors import need
 from edgellm.runtime.manifest import Manifest, read_manifest
@@ -20,7 +21,7 @@ from .collect_ort import ExportRunner, export_greedy, export_trace
 from .collect_torch import torch_greedy, torch_trace
 from .compare import greedy_agreement, logits_and_ppl, per_layer
 from .gate import evaluate_gate, parse_gate
-from .text import add_greedy_text, display_tokenizer, file_tokens, find_tokenizer, generated_tokens
+from .text import add_greedy_text, display_tokenizer, export_tokenizer, file_tokens, generated_tokens
 from .trace import Trace
 
 # config keys that must agree between the checkpoint and an export made from it
@@ -67,7 +68,7 @@ def check_compatible(loaded: Loaded, directory: Path, manifest: Manifest) -> Non
 
 
 def prompt_starts(n_tokens: int, n_prompts: int, prompt_len: int) -> list[int]:
-    """Evenly spaced slice starts over the evaluation tokens (the first at 0, so it begins with BOS)."""
+    """Evenly spaced slice starts over the evaluation tokens (the first at 0, so it begins as a prompt does)."""
     if n_prompts <= 1:
         return [0][:n_prompts]
     last = max(n_tokens - prompt_len, 0)
@@ -173,8 +174,11 @@ def _eval_tokens(loaded: Loaded, exports: list[tuple[Path, Manifest]], options: 
     max_seq = min(m.max_seq for _, m in exports)
     n_tokens = min(options.tokens, max_seq)
     if options.text is not None:
-        return file_tokens(options.text, find_tokenizer(exports, loaded.tokenizer_path), n_tokens,
-                           cfg.vocab_size, bos, eos)
+        # tokenized as `edgellm run --prompt` does: the export's tokenizer and rule, else the checkpoint's
+        found = export_tokenizer(exports)
+        tokenizer, add_bos = found if found is not None else (
+            loaded.tokenizer_path, checkpoint_add_bos(loaded.source, loaded.tokenizer_path, cfg.bos_id))
+        return file_tokens(options.text, tokenizer, n_tokens, cfg.vocab_size, bos, eos, add_bos)
     n_new = options.generated if options.generated is not None else n_tokens - 1
     need(n_new + 1 <= max_seq, f"--generated {n_new}: {n_new + 1} tokens with BOS exceed max_seq={max_seq}")
     loaded.model.set_context_len(max_seq)

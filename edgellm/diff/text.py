@@ -16,15 +16,21 @@ from .collect_torch import generate_tokens
 
 def find_tokenizer(exports: list[tuple[Path, Manifest]], fallback: Path | None) -> Path | None:
     """The first export's own tokenizer file, else the one found with the checkpoint."""
+    found = export_tokenizer(exports)
+    return found[0] if found is not None else fallback
+
+
+def export_tokenizer(exports: list[tuple[Path, Manifest]]) -> tuple[Path, bool] | None:
+    """(tokenizer file, whether text gets BOS: the manifest's rule) of the first export with a tokenizer."""
     for directory, manifest in exports:
         if manifest.tokenizer is not None:
-            return safe_join(directory, manifest.tokenizer["file"])
-    return fallback
+            return safe_join(directory, manifest.tokenizer["file"]), manifest.add_bos
+    return None
 
 
 def file_tokens(path: Path, tokenizer: Path | None, n_tokens: int, vocab_size: int, bos_id: int | None,
-                eos_id: int | None) -> tuple[list[int], dict[str, Any]]:
-    """[BOS] + the file's tokens, cut to `n_tokens`."""
+                eos_id: int | None, add_bos: bool = True) -> tuple[list[int], dict[str, Any]]:
+    """The file's tokens, BOS first when `add_bos` (the checkpoint's rule, as for a prompt), cut to `n_tokens`."""
     need(tokenizer is not None, f"--text {path}: neither the exports nor the checkpoint have a tokenizer; "
                                 "use --generated N instead")
     try:
@@ -33,11 +39,12 @@ def file_tokens(path: Path, tokenizer: Path | None, n_tokens: int, vocab_size: i
         raise EdgeError(f"--text {path}: cannot read ({err.strerror})") from None
     ids = {} if tokenizer.suffix == ".bin" else {"bos_id": bos_id, "eos_id": eos_id}  # llama2.c: fixed 1/2
     tok = load_tokenizer(tokenizer, vocab_size, **ids)
-    ids = ([bos_id] if bos_id is not None else []) + tok.encode(text)
+    start = bos_id if add_bos and bos_id is not None else None
+    ids = ([start] if start is not None else []) + tok.encode(text)
     need(len(ids) >= 2, f"--text {path}: needs at least 2 tokens, got {len(ids)}")
     ids = ids[:n_tokens]
     return ids, {"source": "file", "path": str(path), "tokenizer": str(tokenizer), "n_tokens": len(ids),
-                 "start_id": bos_id, "tokens": ids}
+                 "start_id": start, "tokens": ids}
 
 
 def generated_tokens(model: Decoder, n_new: int, seed: int, bos_id: int | None, eos_id: int | None,
@@ -69,7 +76,10 @@ def display_tokenizer(exports: list[tuple[Path, Manifest]], fallback: Path | Non
 
 def add_greedy_text(variant: dict[str, Any], tokens: list[int], tok: Tokenizer) -> None:
     """Decode each greedy prompt and both continuations into the variant's report (for readers)."""
+    def text(ids: list[int]) -> str:  # padded vocabularies (Qwen): rows past the tokenizer's tokens have no text
+        return tok.decode([i for i in ids if i < tok.vocab_size])
+
     for p in variant["greedy"]["prompts"]:
-        p["prompt_text"] = tok.decode(tokens[p["start"]:p["start"] + p["prompt_len"]])
-        p["reference_text"] = tok.decode(p["reference"])
-        p["export_text"] = tok.decode(p["export"])
+        p["prompt_text"] = text(tokens[p["start"]:p["start"] + p["prompt_len"]])
+        p["reference_text"] = text(p["reference"])
+        p["export_text"] = text(p["export"])

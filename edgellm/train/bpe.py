@@ -1,7 +1,9 @@
 """Train a byte-level BPE tokenizer (the `tokenizers` library) and write it as `tokenizer.json`.
 
 Ids 0, 1, 2 are `<pad>`, `<bos>`, `<eos>`; the 256 byte symbols follow, so every byte string has an
-encoding and vocab_size must be at least 259. The file is HF's tokenizer.json, format version "1.0".
+encoding and vocab_size must be at least 259. The file is HF's tokenizer.json, format version "1.0", with a
+"<bos> $A" post-processor: edgellm trains every document as BOS ids EOS (train/data.py), so a prompt starts with
+BOS, and the file says so to `transformers` and to export's rule (export/bos_rule.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.tokenizer import HFTokenizer
@@ -36,6 +38,9 @@ def train_bpe_from_iterator(texts: Iterable[str], vocab_size: int) -> HFTokenize
     tok.train_from_iterator(texts, trainer)
     for want, name in enumerate(SPECIAL_TOKENS):
         need(tok.token_to_id(name) == want, f"BPE training put {name} at id {tok.token_to_id(name)}, not {want}")
+    bos = SPECIAL_TOKENS[1]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, 1)])
     return HFTokenizer(tok, "<trained in memory>", bos_id=1, eos_id=2, pad_id=0)
 
 
