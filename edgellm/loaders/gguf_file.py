@@ -160,7 +160,7 @@ class GGUFSource:
         tensor = self.gguf.tensors[name]
         self.shape_dtype(name)
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)  # plain view: memmap slicing is slow
         except Exception as exc:
             raise EdgeError(f"{self.gguf.path}: cannot dequantize tensor {name} ({type(exc).__name__}: {exc})") from None
         values = np.asarray(values, dtype=np.float32).reshape(self.gguf.numpy_shape(name))
