@@ -24,29 +24,31 @@ CORPUS = [
     "A chat: <|im_start|>user hi<|im_end|>", "tokenizers build vocabularies from text like this one",
 ] * 4
 TEXTS = ["Hello world", "The quick brown fox", "  two leading spaces", "café 你好 🙂", "x = 12345 + 3.14\n\tdone",
-         "unseen wordsmithery zq", "<|im_start|>user\nhi<|im_end|>", ""]
+         "unseen wordsmithery zq", "<|im_start|>user\nhi<|im_end|>", "<think>hmm</think> it's 2026", ""]
 
 HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
       "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # control tokens (token_type 3)
+USER_DEFINED = ["<think>"]  # token_type 4: matched whole in text, not special
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def bpe_vocab(size: int = 300) -> dict[str, Any]:
-    """Byte-level BPE (GPT-2 style): tokens in the byte alphabet, merges, three control tokens first."""
+def bpe_vocab(size: int = 300, pre: str = "smollm") -> dict[str, Any]:
+    """Byte-level BPE (GPT-2 style): tokens in the byte alphabet, merges, three control tokens first, one
+    user-defined token; `pre` names llama.cpp's pre-tokenizer ("smollm": GPT-2's regex, "qwen2": Qwen's)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIALS + USER_DEFINED, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     import json
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
-    types = [3 if t in SPECIALS else 1 for t in tokens]
-    return dict(model="gpt2", pre="smollm", tokens=tokens, merges=merges, types=types, bos=1, eos=2, add_bos=False)
+    types = [3 if t in SPECIALS else 4 if t in USER_DEFINED else 1 for t in tokens]
+    return dict(model="gpt2", pre=pre, tokens=tokens, merges=merges, types=types, bos=1, eos=2, add_bos=False)
 
 
 def spm_vocab(size: int = 330) -> dict[str, Any]:
