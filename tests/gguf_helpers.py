@@ -107,13 +107,14 @@ def gguf_name(hf: str) -> str:
 
 
 def k_quant_bytes(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks with small finite fp16 scales (gguf-py cannot quantize K types)."""
+    """Random K-quant blocks with small finite fp16 scales (gguf-py cannot quantize K types); other types
+    get random bytes (only for files that must be refused)."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)
     if kind == Q.Q6_K:  # ql[128] qh[64] scales[16] d
         data[..., 208:210] = scale
-    else:  # d, dmin, ...
+    elif kind in (Q.Q4_K, Q.Q5_K):  # d, dmin, ...
         data[..., 0:2] = scale
         data[..., 2:4] = scale
     return data.reshape(rows, cols // block * size)
@@ -121,11 +122,11 @@ def k_quant_bytes(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np
 
 def write_gguf(path: Path, model: torch.nn.Module, family: str, vocab: dict[str, Any], qtype: Q = Q.F32,
                meta: dict[str, Any] | None = None, drop: tuple[str, ...] = (), name: str = "test model",
-               tensor_types: dict[str, Q] | None = None, seed: int = 0) -> Path:
+               tensor_types: dict[str, Q] | None = None, seed: int = 0, arch: str | None = None) -> Path:
     """The model as llama.cpp would convert it: 2-D weights in `qtype` (K types as random blocks), 1-D in F32.
     `meta` overrides/adds metadata keys (`{arch}` is replaced), `drop` removes keys."""
     cfg = model.config
-    arch = "llama" if family == "llama" else family
+    arch = arch or family
     w = gguf.GGUFWriter(str(path), arch)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     keys: dict[str, Any] = {
@@ -166,7 +167,7 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, vocab: dict[str,
         if family == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             data = permute(data, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
         kind = (tensor_types or {}).get(name, qtype if data.ndim == 2 else Q.F32)
-        if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_NL):
             w.add_tensor(name, k_quant_bytes(*data.shape, kind, rng), raw_dtype=kind)
         elif kind == Q.F32:
             w.add_tensor(name, data)
