@@ -38,6 +38,7 @@ def load_gguf(path: Path) -> Loaded:
         ignored = {name for name in source.names() if family.weights.is_ignored(name)}
         check_plan(shapes(meta), plan, source, str(path), ignored)
         tokenizer = write_tokenizer(g)  # before allocating: a broken vocabulary fails fast too
+        g.forget("tokenizer.ggml.")
         model = materialize(meta)
         fill_model(model, plan, source)
     return Loaded(model.eval(), cfg, tokenizer, "gguf")

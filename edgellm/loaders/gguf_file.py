@@ -10,6 +10,7 @@ GGUF shapes (`ne`) list the fastest-varying dimension first: the numpy/torch sha
 
 from __future__ import annotations
 
+import gc
 import struct
 from collections import Counter
 from collections.abc import Callable
@@ -110,6 +111,13 @@ class GGUFFile:
         need(ok, f"{self.path}: metadata {key} must be a number, got {value!r:.40}")
         return float(value)
 
+    def forget(self, prefix: str) -> None:
+        """Drop the parsed metadata under `prefix`: gguf-py keeps every array entry as its own numpy array,
+        ~100 MB for a 50k-token vocabulary, which need not sit beside the model being filled."""
+        for key in [k for k in self.reader.fields if k.startswith(prefix)]:
+            del self.reader.fields[key]
+        gc.collect()
+
     # ---- tensors ----
     def numpy_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
@@ -155,16 +163,25 @@ class GGUFSource:
         return self.gguf.numpy_shape(name), "F32"
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor as float32, dequantized into its final buffer a block of rows at a time (gguf-py's
+        dequantize holds ~2 copies of whatever it is given; chunks keep that small next to a 100 MB embedding)."""
         from gguf.quants import dequantize
 
         tensor = self.gguf.tensors[name]
-        self.shape_dtype(name)
+        shape = self.shape_dtype(name)[0]
+        data = np.asarray(tensor.data)  # a plain view: slicing the np.memmap subclass is slow
+        out = np.empty(shape, dtype=np.float32)
+        flat = out.reshape(-1, shape[-1]) if len(shape) > 1 else out.reshape(1, -1)
+        rows = data.reshape(flat.shape[0], -1)
+        step = max(1, _CHUNK // max(1, flat.shape[1]))
         try:
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)  # plain view: memmap slicing is slow
+            for r in range(0, flat.shape[0], step):
+                flat[r:r + step] = dequantize(rows[r:r + step], tensor.tensor_type).reshape(-1, flat.shape[1])
         except Exception as exc:
             raise EdgeError(f"{self.gguf.path}: cannot dequantize tensor {name} ({type(exc).__name__}: {exc})") from None
-        values = np.asarray(values, dtype=np.float32).reshape(self.gguf.numpy_shape(name))
         if name in self.transforms:
-            values = self.transforms[name](values)
-        values = np.ascontiguousarray(values)
-        return torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a view of the map
+            out = np.ascontiguousarray(self.transforms[name](out))
+        return torch.from_numpy(out)
+
+
+_CHUNK = 1 << 22  # values per dequantize call (16 MB of float32)
