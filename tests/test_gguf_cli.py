@@ -49,6 +49,9 @@ def test_export_then_run_matches_transformers(good, tmp_path, capsys):
     assert got == want[:len(got)] and (len(got) == 8 or want[len(got)] == 2), (got, want)  # 2: eos
     assert (out / "chat_template.jinja").is_file()  # the template came from the GGUF metadata
     assert main(["run", str(out), "--chat", "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert main(["diff", str(good), str(out), "-o", str(tmp_path / "report"), "--tokens", "24", "--prompts", "1",
+                 "--prompt-len", "4", "--continuation", "4", "--quiet"]) == 0  # the fp32 export vs the GGUF
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["checkpoint"]["source"] == "gguf"
 
 
 def _rewrite(path: Path, dst: Path, edit) -> Path:

@@ -104,6 +104,26 @@ def test_mistral_named_llama_file_gets_the_mistral_preset(tmp_path):
     assert cfg.preset == "mistral" and cfg.rope_theta == 1e6
 
 
+def test_end_of_turn_ids_end_generation(tmp_path):
+    v = bpe_vocab()
+    path = write_gguf(tmp_path / "e.gguf", hf_model("qwen2", len(v["tokens"])), "qwen2", v,
+                      meta={"tokenizer.ggml.eot_token_id": 0, "tokenizer.ggml.eom_token_id": 2})
+    cfg = load_checkpoint(path).config
+    assert (cfg.eos_id, cfg.end_ids) == (2, (0,))  # eom == eos is not repeated
+
+
+def test_dispatch_by_magic_not_name(tmp_path):
+    """A GGUF named .bin is still read as GGUF (not as llama2.c); a .gguf without the magic is refused."""
+    v = bpe_vocab()
+    path = write_gguf(tmp_path / "x.gguf", hf_model("qwen2", len(v["tokens"])), "qwen2", v)
+    renamed = path.rename(tmp_path / "model.bin")
+    assert load_checkpoint(renamed).source == "gguf"
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"\x00" * 64)
+    with pytest.raises(EdgeError, match="not a GGUF file"):
+        load_checkpoint(fake)
+
+
 def _llama3_factors(theta: float, hd: int, factor: float, low: float, high: float, old: int) -> np.ndarray:
     """llama.cpp's LlamaModel.generate_extra_tensors: the rope_freqs tensor for Llama 3.1 scaling."""
     out = []
