@@ -56,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
     if loaded.source == "gguf":
         from edgellm.loaders.gguf import describe
 
-        for line in describe(args.checkpoint):
+        for line in describe(cfg.extra):
             print(line)
     return 0

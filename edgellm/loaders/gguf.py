@@ -44,9 +44,10 @@ def load_gguf(path: Path) -> Loaded:
     return Loaded(model.eval(), cfg, tokenizer, "gguf")
 
 
-def describe(path: Path) -> list[str]:
-    """Lines for `edgellm info`: the file's GGUF version, architecture and tensor types."""
-    with GGUFFile(Path(path)) as g:
-        types = ", ".join(f"{k} x{n}" for k, n in sorted(g.type_histogram().items(), key=lambda kv: -kv[1]))
-        return [f"gguf version: {g.version}", f"gguf architecture: {g.get('general.architecture')}",
-                f"gguf name: {g.get('general.name') or 'none'}", f"gguf tensors: {len(g.tensors)} ({types})"]
+def describe(extra: dict) -> list[str]:
+    """Lines for `edgellm info` from a GGUF load's config.extra: version, architecture, tensor types."""
+    types = extra.get("gguf_tensor_types") or {}
+    listing = ", ".join(f"{kind} x{count}" for kind, count in types.items())
+    return [f"gguf version: {extra.get('gguf_version')}", f"gguf architecture: {extra.get('architecture')}",
+            f"gguf name: {extra.get('gguf_name') or 'none'}",
+            f"gguf tensors: {sum(types.values())} ({listing})"]

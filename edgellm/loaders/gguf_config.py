@@ -76,6 +76,8 @@ def gguf_to_config(g: GGUFFile, source: GGUFSource) -> tuple[ModelConfig, GGUFFa
          f"head size {hd} (partial rotary embeddings are not supported)")
     max_pos = g.integer(key("context_length"))
     vocab = embed_shape[0]
+    need(g.integer(key("vocab_size"), default=vocab) == vocab, f"{g.path}: {key('vocab_size')} = "
+         f"{g.get(key('vocab_size'))} but token_embd.weight has {vocab} rows")
     tokens = g.get("tokenizer.ggml.tokens")
     need(tokens is None or len(tokens) <= vocab, f"{g.path}: {len(tokens or ())} tokens in tokenizer.ggml.tokens "
          f"but token_embd.weight has {vocab} rows")
@@ -88,7 +90,9 @@ def gguf_to_config(g: GGUFFile, source: GGUFSource) -> tuple[ModelConfig, GGUFFa
         **_rope(g, arch, hd, max_pos, source),
     )
     fields.update(token_ids(g, vocab))
-    fields["extra"] = {"source": "gguf", "architecture": arch, "gguf_version": g.version}
+    types = dict(sorted(g.type_histogram().items(), key=lambda kv: -kv[1]))
+    fields["extra"] = {"source": "gguf", "architecture": arch, "gguf_version": g.version,
+                       "gguf_name": g.get("general.name"), "gguf_tensor_types": types}
     try:
         return ModelConfig.from_dict(fields), family
     except EdgeError as exc:

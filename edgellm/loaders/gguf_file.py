@@ -60,7 +60,10 @@ class GGUFFile:
     """The parsed header, metadata and tensor table of one GGUF file; use as a context manager."""
 
     def __init__(self, path: Path) -> None:
-        import gguf  # host-side dependency, imported when a GGUF is actually read
+        try:
+            import gguf  # host-side dependency, imported when a GGUF is actually read
+        except ImportError:
+            raise EdgeError(f"{path}: reading GGUF files needs the gguf package (pip install 'edgellm[host]')") from None
 
         self.path = Path(path)
         self.version = check_header(self.path)
