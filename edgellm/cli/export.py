@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Export a checkpoint to ONNX: embed/layer/head graphs (or one model graph), each at "
                     "S = --prefill-chunk and S = 1, with a static KV cache of --max-seq rows. Every graph is "
                     "checked against PyTorch in onnxruntime. An interrupted export resumes from DIR.partial.")
-    parser.add_argument("checkpoint", type=Path, help="HF directory, llama2.c .bin file or edgellm checkpoint dir")
+    parser.add_argument("checkpoint", type=Path, help="HF directory, .gguf file (llama.cpp), llama2.c .bin file or edgellm checkpoint dir")
     parser.add_argument("-o", "--output", type=Path, required=True, help="export directory to write")
     parser.add_argument("--max-seq", type=int, default=None,
                         help=f"context length of the static KV cache (default {DEFAULT_MAX_SEQ}, or the model's "

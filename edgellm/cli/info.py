@@ -8,12 +8,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("info", help="describe a checkpoint (HF dir, llama2.c .bin, edgellm dir) or an export",
+    parser = sub.add_parser("info", help="describe a checkpoint (HF dir, .gguf, llama2.c .bin, edgellm dir) or an export",
                             description="Load a checkpoint and print its source, preset, config, parameter "
                                         "count and sizes; or describe an export directory from its manifest "
                                         "(layout, precision, graphs run per token, sizes, checks).")
     parser.add_argument("checkpoint", type=Path,
-                        help="HF directory, llama2.c .bin file, edgellm checkpoint dir, or an export dir")
+                        help="HF directory, .gguf file, llama2.c .bin file, edgellm checkpoint dir, or an export dir")
     parser.set_defaults(func=run)
 
 
@@ -63,4 +63,9 @@ def run(args: argparse.Namespace) -> int:
         except EdgeError as err:  # export would refuse it; info still describes the checkpoint
             rule = f" (BOS rule: {err})"
     print(f"tokenizer: {loaded.tokenizer_path or 'none'}{rule}")
+    if loaded.source == "gguf":
+        from edgellm.loaders.gguf import describe
+
+        for line in describe(cfg.extra):
+            print(line)
     return 0

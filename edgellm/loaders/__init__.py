@@ -1,4 +1,4 @@
-"""Checkpoints -> `Decoder`: Hugging Face (safetensors), llama2.c `.bin`, and edgellm's own format.
+"""Checkpoints -> `Decoder`: Hugging Face (safetensors), llama.cpp `.gguf`, llama2.c `.bin`, and edgellm's own format.
 
 `load_checkpoint(path)` picks the loader from what is at `path`; `save_checkpoint` writes the native format
 (also used by training, with optional optimizer state read back by `load_extra_state`).

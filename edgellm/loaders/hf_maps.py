@@ -38,7 +38,7 @@ class WeightMap:
             elif target in self.top:
                 plan[target] = self.top[target]
             else:
-                raise EdgeError(f"the Hugging Face weight map has no source for {target}")
+                raise EdgeError(f"the weight map has no source for {target}")
         return plan
 
     def is_ignored(self, name: str) -> bool:

@@ -12,5 +12,5 @@ from edgellm.model import Decoder, ModelConfig
 class Loaded:
     model: Decoder  # eval mode, float32, on the CPU
     config: ModelConfig
-    tokenizer_path: Path | None  # tokenizer.json / tokenizer.bin found with the checkpoint, if any
-    source: str  # "hf" | "llama2c" | "edgellm"
+    tokenizer_path: Path | None  # tokenizer.json / tokenizer.bin found with (or, GGUF, rebuilt from) the checkpoint
+    source: str  # "hf" | "gguf" | "llama2c" | "edgellm"

@@ -1,0 +1,71 @@
+"""GGUF architectures edgellm loads: one declarative entry per `general.architecture`.
+
+An entry names the edgellm preset, the tensor-name map (llama.cpp's standard names: `token_embd`,
+`blk.{i}.attn_q`, ..., `output_norm`, `output`), the architecture flags the config cannot come from
+metadata (qkv biases, q/k norms) and whether llama.cpp's converter permuted the Q/K rows. Adding a family is
+a new entry here (plus, if its metadata differs, a branch in gguf_config).
+
+llama.cpp's `convert_hf_to_gguf.py` (LlamaModel.permute) reorders each Q/K head's rows from the HF rotate-half
+order into interleaved RoPE pairs: GGUF row 2j holds HF row j and row 2j+1 holds HF row j + hd/2. `unpermute`
+undoes it (what transformers' `LlamaTensorProcessor._reverse_permute_weights` does), so the model keeps
+`rope_style="half"` like every HF load. Qwen2/Qwen3 are converted without the permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import Transform
+from .hf_maps import WeightMap
+
+_TOP = {
+    "embed.weight": ("token_embd.weight",),
+    "norm.weight": ("output_norm.weight",),
+    "lm_head.weight": ("output.weight",),
+}
+_ATTN = {
+    "attn_norm.weight": ("attn_norm.weight",),
+    "attn.qkv.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "attn.o.weight": ("attn_output.weight",),
+}
+_QKV_BIAS = {"attn.qkv.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias")}
+_QK_NORM = {"attn.q_norm.weight": ("attn_q_norm.weight",), "attn.k_norm.weight": ("attn_k_norm.weight",)}
+_MLP = {
+    "mlp_norm.weight": ("ffn_norm.weight",),
+    "mlp.gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
+    "mlp.down.weight": ("ffn_down.weight",),
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency divisors: read into the config, not the weights
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    preset: str  # edgellm preset (ModelConfig.preset)
+    weights: WeightMap
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    permuted_qk: bool = False  # llama.cpp's converter reordered Q/K rows (undone by `unpermute`)
+
+
+def _map(**layer: tuple[str, ...]) -> WeightMap:
+    return WeightMap(top=_TOP, layer=layer, layer_prefix="blk.{i}.", ignored=(r"rope_freqs\.weight",))
+
+
+_LLAMA = _map(**_ATTN, **_MLP)
+FAMILIES: dict[str, GGUFFamily] = {
+    # llama.cpp writes Mistral 7B as "llama" (gguf_config picks the mistral preset from general.name)
+    "llama": GGUFFamily("llama2", _LLAMA, permuted_qk=True),
+    "mistral": GGUFFamily("mistral", _LLAMA, permuted_qk=True),
+    "qwen2": GGUFFamily("qwen2", _map(**_ATTN, **_QKV_BIAS, **_MLP), qkv_bias=True),
+    "qwen3": GGUFFamily("qwen3", _map(**_ATTN, **_QK_NORM, **_MLP), qk_norm=True),
+}
+
+
+def unpermute(heads: int) -> Transform:
+    """The inverse of llama.cpp's Q/K permutation for a tensor of `heads` heads (rows = heads * hd)."""
+    def undo(w: np.ndarray) -> np.ndarray:
+        half = w.shape[0] // heads // 2
+        return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return undo

