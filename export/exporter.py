@@ -29,6 +29,7 @@ from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 
 from .e2e import check_end_to_end
+from .fused import GQA_HEAD_MULTIPLE, attention_record, fused_fits
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .options import ExportOptions
@@ -63,6 +64,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
+    if options.kv_layout == "inplace" and not fused_fits(cfg):  # GroupQueryAttention refuses the head size
+        options = replace(options, attention="standard")
+        log(f"--attention fused: head_dim {cfg.hd} is no multiple of {GQA_HEAD_MULTIPLE}, which onnxruntime's "
+            "GroupQueryAttention needs; exporting the layers in standard ONNX ops")
+    attention = attention_record(cfg, options.attention, options.granularity)
     need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
     _check_target(out)
     loaded_tok = check_tokenizer(tokenizer, cfg)
@@ -114,7 +120,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         max_seq=options.max_seq, prefill_chunk=options.prefill_chunk, opset=options.opset,
         graphs=tuple(_graph_specs(units, records, dims, seqs)), files=files, tokenizer=tok_entry,
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
-        export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
+        export_options={**options.to_dict(), "attention_impl": attention,
+                        "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         manifest = _add_stack(partial, manifest, options.seed)
@@ -171,6 +178,8 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], manifest: Manifes
         diff = manifest.verification["stack_vs_layers"]
         lines.append(f"{'stack':<12} {files[STACK_FILE].bytes / 1e6:>9.2f}  {diff:.2e} (vs the layer graphs)")
     lines.append(f"{'end-to-end':<12} {'':>9}  {e2e:.2e} (chunked prefill + decode vs full forward)")
+    if "attention_impl" in manifest.export_options:
+        lines.append(f"{'attention':<12} {'':>9}  {manifest.export_options['attention_impl']}")
     lines.append(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB) in {seconds:.1f} s")
     return lines
 

@@ -32,7 +32,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
-from edgellm.model import Decoder
+from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.graphio import TensorSpec
 
 MS = "com.microsoft"
@@ -93,6 +93,37 @@ def rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray | None, ...]:
     return per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
 
 
+# onnxruntime's CPU GroupQueryAttention (1.22 through 1.32, probed: issue 21) takes head sizes that are a multiple
+# of 8, and with its RoPE inside (do_rotary=1) a multiple of 16; its RotaryEmbedding op takes any even size.
+GQA_HEAD_MULTIPLE = 8
+GQA_ROPE_HEAD_MULTIPLE = 16
+
+
+def fused_fits(cfg: ModelConfig) -> bool:
+    """Whether GroupQueryAttention takes this head size at all (else the export falls back to standard ops)."""
+    return cfg.hd % GQA_HEAD_MULTIPLE == 0
+
+
+def rope_in_gqa(cfg: ModelConfig) -> bool:
+    """RoPE inside GroupQueryAttention (its one cos/sin cache): no XPos scales and a head size its RoPE takes;
+    otherwise two RotaryEmbedding ops rotate q and k before it (same tables, same cache layout, 2 more ops)."""
+    return not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
+
+
+def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
+    """How the layers attend, for the manifest's export_options and the export table."""
+    if granularity == "model":
+        return "standard ONNX ops (traced model graph)"
+    if attention == "standard":
+        return "standard ONNX ops" + ("" if fused_fits(cfg) else
+                                      f" (head_dim {cfg.hd} is no multiple of {GQA_HEAD_MULTIPLE}: "
+                                      "GroupQueryAttention refuses it)")
+    if rope_in_gqa(cfg):
+        return "fused GroupQueryAttention, RoPE inside"
+    why = "XPos scales" if cfg.xpos else f"head_dim {cfg.hd} % {GQA_ROPE_HEAD_MULTIPLE} != 0"
+    return f"fused GroupQueryAttention, RoPE as 2 RotaryEmbedding ops before it ({why})"
+
+
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
                 opset: int) -> tuple[ir.Model, set[str]]:
@@ -116,7 +147,8 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     if cfg.qkv_bias:
         qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _np(block.attn.qkv.bias), True)])[0]
     cos, sin, q_scale, k_scale = tables
-    separate = cfg.qk_norm or cfg.xpos  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
+    rope_outside = not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
+    separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
         sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))
         q, k, v = b.op("Split", [qkv, sizes], n_out=3, axis=-1)
@@ -129,16 +161,17 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
             t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
             q, k = (t, k) if name == "q" else (q, t)
     interleaved = int(cfg.rope_style == "interleaved")
-    if cfg.xpos:  # RoPE with XPos scales applied here, per tensor; positions start at total_len - S
+    if rope_outside:  # RoPE (with XPos scales, if any) applied here, per tensor; positions start at total_len - S
         start = b.op("Sub", [total_len, b.const(p + "seq", np.array(seq, np.int32))])[0]
         start = b.op("Reshape", [b.op("Cast", [start], to=TensorProto.INT64)[0],
                                  b.const(p + "one", np.array([1], np.int64))])[0]
-        q = b.op("RotaryEmbedding", [q, start, b.const(p + "rope.q_cos", cos * q_scale),
-                                     b.const(p + "rope.q_sin", sin * q_scale)], domain=MS,
-                 interleaved=interleaved, num_heads=h)[0]
-        k = b.op("RotaryEmbedding", [k, start, b.const(p + "rope.k_cos", cos * k_scale),
-                                     b.const(p + "rope.k_sin", sin * k_scale)], domain=MS,
-                 interleaved=interleaved, num_heads=kv)[0]
+        if cfg.xpos:  # scale is per frequency pair, so it commutes with the rotation: fold it into the tables
+            q_tab = (b.const(p + "rope.q_cos", cos * q_scale), b.const(p + "rope.q_sin", sin * q_scale))
+            k_tab = (b.const(p + "rope.k_cos", cos * k_scale), b.const(p + "rope.k_sin", sin * k_scale))
+        else:  # one table pair for q and k
+            q_tab = k_tab = (b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin))
+        q = b.op("RotaryEmbedding", [q, start, *q_tab], domain=MS, interleaved=interleaved, num_heads=h)[0]
+        k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv)[0]
         rope_in, rotary = ["", ""], 0
     else:
         rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
