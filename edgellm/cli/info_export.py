@@ -46,6 +46,9 @@ def describe_export(path: Path) -> None:
           f"head_dim {m.head_dim}, vocab {m.vocab_size})")
     print(f"layout: granularity {m.granularity}, kv_layout {m.kv_layout}, max_seq {m.max_seq}, "
           f"prefill_chunk {m.prefill_chunk}, opset {m.opset}")
+    attention = m.export_options.get("attention_impl")  # recorded by export since issue 21
+    if isinstance(attention, str):
+        print(f"attention: {attention}")
     print(f"precision: {_precision(m)}")
     print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
     kv = 2 * m.n_layers * m.n_kv_heads * m.max_seq * m.head_dim * 4
