@@ -13,6 +13,7 @@ import onnx
 import pytest
 import torch
 
+from edgellm.cli import main
 from edgellm.export import ExportOptions, export_model
 from edgellm.loaders import load_checkpoint
 from edgellm.quant.export_dir import quantize_export
@@ -51,11 +52,12 @@ def save_hf(family: str, head_dim: int, out: Path) -> torch.nn.Module:
     return hf
 
 
-def export(tmp: Path, family: str, head_dim: int) -> tuple[torch.nn.Module, Path]:
+def export(tmp: Path, family: str, head_dim: int, log: list[str] | None = None) -> tuple[torch.nn.Module, Path]:
     hf = save_hf(family, head_dim, tmp / "hf")
     loaded = load_checkpoint(tmp / "hf")
     assert loaded.config.hd == head_dim
-    export_model(loaded.model, tmp / "fp32", ExportOptions(**OPTIONS), progress=False, log=lambda _: None)
+    export_model(loaded.model, tmp / "fp32", ExportOptions(**OPTIONS), progress=False,
+                 log=(log if log is not None else []).append)
     return hf, tmp / "fp32"
 
 
@@ -99,10 +101,13 @@ SLOW = {12}  # a traced (standard) export takes ~8 s; one of them stays in the f
 @pytest.mark.parametrize(("family", "head_dim", "kind"),
                          [pytest.param(*c, marks=pytest.mark.slow if c[1] in SLOW else (), id=f"{c[0]}-{c[1]}")
                           for c in CASES])
-def test_head_size_exports_and_matches_transformers(tmp_path, family, head_dim, kind):
-    hf, out = export(tmp_path, family, head_dim)
+def test_head_size_exports_and_matches_transformers(tmp_path, capsys, family, head_dim, kind):
+    log: list[str] = []
+    hf, out = export(tmp_path, family, head_dim, log)
     m = read_manifest(out)
     record = m.export_options["attention_impl"]
+    assert log[-2].split() == ["attention", *record.split()]  # the export table's line before "wrote ..."
+    assert any("exporting the layers in standard ONNX ops" in line for line in log) == (kind == "standard")
     ops, rotary = gqa_ops(out)
     if kind == "standard":
         assert m.kv_layout == "rows" and m.export_options["attention"] == "standard" and not m.has_stack
@@ -113,6 +118,7 @@ def test_head_size_exports_and_matches_transformers(tmp_path, family, head_dim, 
         assert ops.count("RotaryEmbedding") == (0 if kind == "inside" else 2)
         assert ("RoPE inside" in record) == (kind == "inside")
     assert m.head_dim == head_dim  # the cache is the model's own: [1, n_kv, max_seq, head_dim], nothing padded
+    assert main(["info", str(out)]) == 0 and f"attention: {record}\n" in capsys.readouterr().out
 
     prompt = prompt_ids()
     got, generated = runtime_logits(out, prompt)
