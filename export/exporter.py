@@ -29,7 +29,7 @@ from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 
 from .e2e import check_end_to_end
-from .fused import GQA_HEAD_MULTIPLE, attention_record, fused_fits
+from .fused import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .options import ExportOptions
@@ -64,11 +64,10 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
-    if options.kv_layout == "inplace" and not fused_fits(cfg):  # GroupQueryAttention refuses the head size
-        options = replace(options, attention="standard")
-        log(f"--attention fused: head_dim {cfg.hd} is no multiple of {GQA_HEAD_MULTIPLE}, which onnxruntime's "
-            "GroupQueryAttention needs; exporting the layers in standard ONNX ops")
     attention = attention_record(cfg, options.attention, options.granularity)
+    # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
+    padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
+    kv_head_dim = padded if padded != cfg.hd else None
     need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
     _check_target(out)
     loaded_tok = check_tokenizer(tokenizer, cfg)
@@ -76,7 +75,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     template = check_chat_template(found, loaded_tok, cfg) if found is not None else None
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model, options), log)
@@ -122,7 +121,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
-        verification={**verification, "end_to_end": e2e})
+        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim)
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         manifest = _add_stack(partial, manifest, options.seed)
 

@@ -33,6 +33,7 @@ import torch
 from onnx import TensorProto, helper
 
 from edgellm.model import Decoder, ModelConfig
+from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
 
 MS = "com.microsoft"
@@ -99,9 +100,20 @@ GQA_HEAD_MULTIPLE = 8
 GQA_ROPE_HEAD_MULTIPLE = 16
 
 
-def fused_fits(cfg: ModelConfig) -> bool:
-    """Whether GroupQueryAttention takes this head size at all (else the export falls back to standard ops)."""
-    return cfg.hd % GQA_HEAD_MULTIPLE == 0
+def cache_head_dim(cfg: ModelConfig) -> int:
+    """The width of a cache row in the fused layers: the head size, or the next multiple of 8 when
+    GroupQueryAttention refuses it (every head zero-padded: q/k/v weights get zero rows, o zero columns, RoPE
+    rotates the first hd entries only; exact, the cache grows by hd_pad / hd). Recorded as kv_head_dim."""
+    return -(-cfg.hd // GQA_HEAD_MULTIPLE) * GQA_HEAD_MULTIPLE
+
+
+def _pad_heads(w: np.ndarray, hd: int, hd_pad: int) -> np.ndarray:
+    """[..., heads * hd] -> [..., heads * hd_pad]: each head's hd entries, then zeros."""
+    if hd_pad == hd:
+        return w
+    heads = w.reshape(*w.shape[:-1], -1, hd)
+    pad = [(0, 0)] * (heads.ndim - 1) + [(0, hd_pad - hd)]
+    return np.pad(heads, pad).reshape(*w.shape[:-1], -1)
 
 
 def rope_in_gqa(cfg: ModelConfig) -> bool:
@@ -115,12 +127,14 @@ def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
     if granularity == "model":
         return "standard ONNX ops (traced model graph)"
     if attention == "standard":
-        return "standard ONNX ops" + ("" if fused_fits(cfg) else
-                                      f" (head_dim {cfg.hd} is no multiple of {GQA_HEAD_MULTIPLE}: "
-                                      "GroupQueryAttention refuses it)")
+        return "standard ONNX ops"
     if rope_in_gqa(cfg):
         return "fused GroupQueryAttention, RoPE inside"
-    why = "XPos scales" if cfg.xpos else f"head_dim {cfg.hd} % {GQA_ROPE_HEAD_MULTIPLE} != 0"
+    hd, pad = cfg.hd, cache_head_dim(cfg)
+    if pad != hd:
+        return (f"fused GroupQueryAttention, heads zero-padded {hd}->{pad} (kv_head_dim {pad}), RoPE as 2 "
+                "RotaryEmbedding ops before it")
+    why = "XPos scales" if cfg.xpos else f"head_dim {hd} % {GQA_ROPE_HEAD_MULTIPLE} != 0"
     return f"fused GroupQueryAttention, RoPE as 2 RotaryEmbedding ops before it ({why})"
 
 
@@ -134,7 +148,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
-    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+    h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+    hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs
+    need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")
     clamp = cfg.norm_eps_mode == "clamp"
     p = f"layers.{layer}."
     b = _Builder()
@@ -143,9 +159,11 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
 
     # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
     x = _rms_norm(b, hidden, b.const(p + "attn_norm.weight", _np(block.attn_norm.weight), True), cfg.norm_eps, clamp)
-    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _np(block.attn.qkv.weight).T, True)])[0]
+    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
+                                     True)])[0]
     if cfg.qkv_bias:
-        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _np(block.attn.qkv.bias), True)])[0]
+        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
+                                        True)])[0]
     cos, sin, q_scale, k_scale = tables
     rope_outside = not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
@@ -156,8 +174,11 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         for name, heads in (("q", h), ("k", kv)):
             t = q if name == "q" else k
             t = b.op("Reshape", [t, b.const(f"{p}{name}.heads", np.array([1, seq, heads, hd], np.int64))])[0]
-            w = b.const(f"{p}attn.{name}_norm.weight", _np(getattr(block.attn, f"{name}_norm").weight), True)
-            t = _rms_norm(b, t, w, cfg.norm_eps, clamp)
+            # padded heads: mean over hd of x^2 = (hd/hd_real) * mean over hd_real, so the same norm is eps scaled
+            # by hd_real/hd and weights by sqrt(hd_real/hd) (zeros in the padding, which stays zero)
+            shrink = hd_real / hd
+            w = _pad_heads(_np(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
+            t = _rms_norm(b, t, b.const(f"{p}attn.{name}_norm.weight", w, True), cfg.norm_eps * shrink, clamp)
             t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
             q, k = (t, k) if name == "q" else (q, t)
     interleaved = int(cfg.rope_style == "interleaved")
@@ -170,17 +191,21 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
             k_tab = (b.const(p + "rope.k_cos", cos * k_scale), b.const(p + "rope.k_sin", sin * k_scale))
         else:  # one table pair for q and k
             q_tab = k_tab = (b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin))
-        q = b.op("RotaryEmbedding", [q, start, *q_tab], domain=MS, interleaved=interleaved, num_heads=h)[0]
-        k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv)[0]
+        partial = {"rotary_embedding_dim": hd_real} if hd != hd_real else {}  # padded heads: the real part only
+        q = b.op("RotaryEmbedding", [q, start, *q_tab], domain=MS, interleaved=interleaved, num_heads=h,
+                 **partial)[0]
+        k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv,
+                 **partial)[0]
         rope_in, rotary = ["", ""], 0
     else:
         rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
     qkv_in = [q, k, v] if separate else [qkv, "", ""]
     att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
-                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd ** -0.5),
+                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd_real ** -0.5),
                              do_rotary=rotary, rotary_interleaved=interleaved)
     branch = _branch_scale(block, "ls_attn")
-    a = b.op("MatMul", [att, b.const(p + "attn.o.weight", _np(block.attn.o.weight).T * branch, True)])[0]
+    o = _pad_heads(_np(block.attn.o.weight) * np.asarray(branch, np.float32)[..., None], hd_real, hd).T  # [H*hd, D]
+    a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
 
     # MLP branch, on the residual stream hidden + a
     w2 = b.const(p + "mlp_norm.weight", _np(block.mlp_norm.weight), True)
