@@ -20,10 +20,11 @@ CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim":
           "rope_theta": 10000.0, "rope_scaling": [1.0, 0.5]}
 
 
-def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows") -> Manifest:
+def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows",
+                kv_head_dim: int | None = None) -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout)
+    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim)
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
@@ -41,7 +42,7 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
         tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
-        verification={g.name: 1e-6 for g in graphs},
+        verification={g.name: 1e-6 for g in graphs}, kv_head_dim=kv_head_dim,
     )
     manifest.write(root)
     return manifest
@@ -69,7 +70,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 6
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 7
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -98,6 +99,25 @@ def test_version_5_reads_with_one_eos_id_and_no_chat_template(tmp_path: Path) ->
     assert (got.eos_id, got.eos_ids, got.tokenizer["chat_template"]) == (2, (2,), None)
     edit(tmp_path, lambda d: d.update(eos_id=None))
     assert read_manifest(tmp_path).eos_ids == ()
+
+
+def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
+    """Format 7's kv_head_dim (zero-padded heads, export/fused.py) is the cache row width the graphs and the
+    runtime use; the model's head_dim stays the config's. A format-6 manifest has no key: rows are head_dim wide."""
+    written = make_export(tmp_path / "pad", kv_layout="inplace", kv_head_dim=8)
+    got = read_manifest(tmp_path / "pad")
+    assert got == written and (got.kv_head_dim, got.head_dim, got.model_head_dim) == (8, 8, 4)
+    assert got.graph("layer", 1, 0).inputs[3].shape == (1, 2, 16, 8)
+    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=None))  # the graphs' caches no longer match
+    rejects(tmp_path / "pad", r"past_key\.0: expected \[1, 2, 16, 4\] float32, got \[1, 2, 16, 8\]")
+    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=3))
+    rejects(tmp_path / "pad", "kv_head_dim: expected an integer from the model's head_dim 4 to 8, got 3")
+    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=8, kv_layout="rows"))
+    rejects(tmp_path / "pad", "kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only")
+    make_export(tmp_path / "v6", kv_layout="inplace")
+    edit(tmp_path / "v6", lambda d: (d.update(format_version=6), d.pop("kv_head_dim")))
+    got = read_manifest(tmp_path / "v6")
+    assert (got.kv_head_dim, got.head_dim, got.model_head_dim) == (None, 4, 4)
 
 
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
@@ -196,8 +216,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=7, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 7 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6\)")
+    edit(tmp_path, lambda d: d.update(format_version=8, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 8 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6, 7\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
