@@ -58,8 +58,8 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
     head_dim = size("head_dim") if config.get("head_dim") is not None else size("dim") // size("n_heads")
     need(head_dim > 0, "config: dim // n_heads must be positive")
     cache = head_dim if kv_head_dim is None else kv_head_dim
-    need(is_int(cache) and head_dim <= cache <= 2 * head_dim,
-         f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {2 * head_dim}, got {cache!r}")
+    need(is_int(cache) and head_dim <= cache <= head_dim + 8,  # padding to a multiple of 8 adds 7 at most
+         f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
                 head_dim)
 

@@ -110,8 +110,9 @@ def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
     assert got.graph("layer", 1, 0).inputs[3].shape == (1, 2, 16, 8)
     edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=None))  # the graphs' caches no longer match
     rejects(tmp_path / "pad", r"past_key\.0: expected \[1, 2, 16, 4\] float32, got \[1, 2, 16, 8\]")
-    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=3))
-    rejects(tmp_path / "pad", "kv_head_dim: expected an integer from the model's head_dim 4 to 8, got 3")
+    for bad in (3, 13):
+        edit(tmp_path / "pad", lambda d, bad=bad: d.update(kv_head_dim=bad))
+        rejects(tmp_path / "pad", f"kv_head_dim: expected an integer from the model's head_dim 4 to 12, got {bad}")
     edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=8, kv_layout="rows"))
     rejects(tmp_path / "pad", "kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only")
     make_export(tmp_path / "v6", kv_layout="inplace")
