@@ -20,6 +20,9 @@ Everything the seeds scale is folded into tables or weights, so no preset adds o
 - XPos -> separate q and k caches (cos * scale, sin * scale; scale is per frequency pair, so it commutes with
   the rotation), applied by two RotaryEmbedding ops before attention (GroupQueryAttention has one cache);
 - LayerScale gamma and the MiniCPM depth scale -> the output columns of o and down: (x W^T) * g = x (W * g)^T.
+Head sizes (issue 21): GroupQueryAttention's RoPE takes hd % 16 == 0 only, so other sizes rotate q and k with
+RotaryEmbedding before it; GroupQueryAttention itself takes hd % 8 == 0 only, so other sizes are zero-padded
+per head to the next multiple of 8 (`cache_head_dim`; the cache rows are that wide, manifest `kv_head_dim`).
 The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
 (rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
 """
