@@ -30,6 +30,7 @@ from edgellm.runtime.sampling import SamplingParams
 
 from .bos_rule import add_bos_rule, rule_notes
 from .e2e import check_end_to_end
+from .fused import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .options import ExportOptions
@@ -66,6 +67,10 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
+    attention = attention_record(cfg, options.attention, options.granularity)
+    # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
+    padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
+    kv_head_dim = padded if padded != cfg.hd else None
     need(all(p.dtype == torch.float32 for p in model.parameters()), "model: expected float32 weights")
     _check_target(out)
     loaded_tok = check_tokenizer(tokenizer, cfg)
@@ -79,7 +84,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
             log(note)
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model, options), log)
@@ -124,8 +129,9 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         max_seq=options.max_seq, prefill_chunk=options.prefill_chunk, opset=options.opset,
         graphs=tuple(_graph_specs(units, records, dims, seqs)), files=files, tokenizer=tok_entry,
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
-        export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
-        verification={**verification, "end_to_end": e2e})
+        export_options={**options.to_dict(), "attention_impl": attention,
+                        "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
+        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim)
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         manifest = _add_stack(partial, manifest, options.seed)
 
@@ -181,6 +187,8 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], manifest: Manifes
         diff = manifest.verification["stack_vs_layers"]
         lines.append(f"{'stack':<12} {files[STACK_FILE].bytes / 1e6:>9.2f}  {diff:.2e} (vs the layer graphs)")
     lines.append(f"{'end-to-end':<12} {'':>9}  {e2e:.2e} (chunked prefill + decode vs full forward)")
+    if "attention_impl" in manifest.export_options:
+        lines.append(f"{'attention':<12} {'':>9}  {manifest.export_options['attention_impl']}")
     lines.append(f"wrote {out} ({len(files)} files, {total / 1e6:.1f} MB) in {seconds:.1f} s")
     return lines
 

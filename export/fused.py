@@ -20,6 +20,9 @@ Everything the seeds scale is folded into tables or weights, so no preset adds o
 - XPos -> separate q and k caches (cos * scale, sin * scale; scale is per frequency pair, so it commutes with
   the rotation), applied by two RotaryEmbedding ops before attention (GroupQueryAttention has one cache);
 - LayerScale gamma and the MiniCPM depth scale -> the output columns of o and down: (x W^T) * g = x (W * g)^T.
+Head sizes (issue 21): GroupQueryAttention's RoPE takes hd % 16 == 0 only, so other sizes rotate q and k with
+RotaryEmbedding before it; GroupQueryAttention itself takes hd % 8 == 0 only, so other sizes are zero-padded
+per head to the next multiple of 8 (`cache_head_dim`; the cache rows are that wide, manifest `kv_head_dim`).
 The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
 (rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
 """
@@ -32,7 +35,8 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
-from edgellm.model import Decoder
+from edgellm.model import Decoder, ModelConfig
+from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
 
 MS = "com.microsoft"
@@ -93,6 +97,50 @@ def rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray | None, ...]:
     return per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
 
 
+# onnxruntime's CPU GroupQueryAttention (1.22 through 1.32, probed: issue 21) takes head sizes that are a multiple
+# of 8, and with its RoPE inside (do_rotary=1) a multiple of 16; its RotaryEmbedding op takes any even size.
+GQA_HEAD_MULTIPLE = 8
+GQA_ROPE_HEAD_MULTIPLE = 16
+
+
+def cache_head_dim(cfg: ModelConfig) -> int:
+    """The width of a cache row in the fused layers: the head size, or the next multiple of 8 when
+    GroupQueryAttention refuses it (every head zero-padded: q/k/v weights get zero rows, o zero columns, RoPE
+    rotates the first hd entries only; exact, the cache grows by hd_pad / hd). Recorded as kv_head_dim."""
+    return -(-cfg.hd // GQA_HEAD_MULTIPLE) * GQA_HEAD_MULTIPLE
+
+
+def _pad_heads(w: np.ndarray, hd: int, hd_pad: int) -> np.ndarray:
+    """[..., heads * hd] -> [..., heads * hd_pad]: each head's hd entries, then zeros."""
+    if hd_pad == hd:
+        return w
+    heads = w.reshape(*w.shape[:-1], -1, hd)
+    pad = [(0, 0)] * (heads.ndim - 1) + [(0, hd_pad - hd)]
+    return np.pad(heads, pad).reshape(*w.shape[:-1], -1)
+
+
+def rope_in_gqa(cfg: ModelConfig) -> bool:
+    """RoPE inside GroupQueryAttention (its one cos/sin cache): no XPos scales and a head size its RoPE takes;
+    otherwise two RotaryEmbedding ops rotate q and k before it (same tables, same cache layout, 2 more ops)."""
+    return not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
+
+
+def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
+    """How the layers attend, for the manifest's export_options and the export table."""
+    if granularity == "model":
+        return "standard ONNX ops (traced model graph)"
+    if attention == "standard":
+        return "standard ONNX ops"
+    if rope_in_gqa(cfg):
+        return "fused GroupQueryAttention, RoPE inside"
+    hd, pad = cfg.hd, cache_head_dim(cfg)
+    if pad != hd:
+        return (f"fused GroupQueryAttention, heads zero-padded {hd}->{pad} (kv_head_dim {pad}), RoPE as 2 "
+                "RotaryEmbedding ops before it")
+    why = "XPos scales" if cfg.xpos else f"head_dim {hd} % {GQA_ROPE_HEAD_MULTIPLE} != 0"
+    return f"fused GroupQueryAttention, RoPE as 2 RotaryEmbedding ops before it ({why})"
+
+
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
                 opset: int) -> tuple[ir.Model, set[str]]:
@@ -103,7 +151,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
-    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+    h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+    hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs
+    need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")
     clamp = cfg.norm_eps_mode == "clamp"
     p = f"layers.{layer}."
     b = _Builder()
@@ -112,11 +162,14 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
 
     # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
     x = _rms_norm(b, hidden, b.const(p + "attn_norm.weight", _np(block.attn_norm.weight), True), cfg.norm_eps, clamp)
-    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _np(block.attn.qkv.weight).T, True)])[0]
+    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
+                                     True)])[0]
     if cfg.qkv_bias:
-        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _np(block.attn.qkv.bias), True)])[0]
+        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
+                                        True)])[0]
     cos, sin, q_scale, k_scale = tables
-    separate = cfg.qk_norm or cfg.xpos  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
+    rope_outside = not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
+    separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
         sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))
         q, k, v = b.op("Split", [qkv, sizes], n_out=3, axis=-1)
@@ -124,30 +177,38 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         for name, heads in (("q", h), ("k", kv)):
             t = q if name == "q" else k
             t = b.op("Reshape", [t, b.const(f"{p}{name}.heads", np.array([1, seq, heads, hd], np.int64))])[0]
-            w = b.const(f"{p}attn.{name}_norm.weight", _np(getattr(block.attn, f"{name}_norm").weight), True)
-            t = _rms_norm(b, t, w, cfg.norm_eps, clamp)
+            # padded heads: mean over hd of x^2 = (hd/hd_real) * mean over hd_real, so the same norm is eps scaled
+            # by hd_real/hd and weights by sqrt(hd_real/hd) (zeros in the padding, which stays zero)
+            shrink = hd_real / hd
+            w = _pad_heads(_np(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
+            t = _rms_norm(b, t, b.const(f"{p}attn.{name}_norm.weight", w, True), cfg.norm_eps * shrink, clamp)
             t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
             q, k = (t, k) if name == "q" else (q, t)
     interleaved = int(cfg.rope_style == "interleaved")
-    if cfg.xpos:  # RoPE with XPos scales applied here, per tensor; positions start at total_len - S
+    if rope_outside:  # RoPE (with XPos scales, if any) applied here, per tensor; positions start at total_len - S
         start = b.op("Sub", [total_len, b.const(p + "seq", np.array(seq, np.int32))])[0]
         start = b.op("Reshape", [b.op("Cast", [start], to=TensorProto.INT64)[0],
                                  b.const(p + "one", np.array([1], np.int64))])[0]
-        q = b.op("RotaryEmbedding", [q, start, b.const(p + "rope.q_cos", cos * q_scale),
-                                     b.const(p + "rope.q_sin", sin * q_scale)], domain=MS,
-                 interleaved=interleaved, num_heads=h)[0]
-        k = b.op("RotaryEmbedding", [k, start, b.const(p + "rope.k_cos", cos * k_scale),
-                                     b.const(p + "rope.k_sin", sin * k_scale)], domain=MS,
-                 interleaved=interleaved, num_heads=kv)[0]
+        if cfg.xpos:  # scale is per frequency pair, so it commutes with the rotation: fold it into the tables
+            q_tab = (b.const(p + "rope.q_cos", cos * q_scale), b.const(p + "rope.q_sin", sin * q_scale))
+            k_tab = (b.const(p + "rope.k_cos", cos * k_scale), b.const(p + "rope.k_sin", sin * k_scale))
+        else:  # one table pair for q and k
+            q_tab = k_tab = (b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin))
+        partial = {"rotary_embedding_dim": hd_real} if hd != hd_real else {}  # padded heads: the real part only
+        q = b.op("RotaryEmbedding", [q, start, *q_tab], domain=MS, interleaved=interleaved, num_heads=h,
+                 **partial)[0]
+        k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv,
+                 **partial)[0]
         rope_in, rotary = ["", ""], 0
     else:
         rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
     qkv_in = [q, k, v] if separate else [qkv, "", ""]
     att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
-                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd ** -0.5),
+                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd_real ** -0.5),
                              do_rotary=rotary, rotary_interleaved=interleaved)
     branch = _branch_scale(block, "ls_attn")
-    a = b.op("MatMul", [att, b.const(p + "attn.o.weight", _np(block.attn.o.weight).T * branch, True)])[0]
+    o = _pad_heads(_np(block.attn.o.weight) * np.asarray(branch, np.float32)[..., None], hd_real, hd).T  # [H*hd, D]
+    a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
 
     # MLP branch, on the residual stream hidden + a
     w2 = b.const(p + "mlp_norm.weight", _np(block.mlp_norm.weight), True)

@@ -122,14 +122,18 @@ def _layer_ref(model: Decoder, i: int, kv_layout: str) -> Reference:
         if kv_layout == "rows":
             return list(model.layers[i](x["hidden"], x["positions"], x[f"past_key.{i}"], x[f"past_value.{i}"],
                                         x["past_len"]))
-        # inplace: the expected present_* is the past cache with the new rows written by the one rule
-        s = x["hidden"].shape[1]
+        # inplace: the expected present_* is the past cache with the new rows written by the one rule; with
+        # zero-padded heads (cache rows wider than hd) the model reads the first hd entries of each row and its
+        # new rows are written padded with zeros
+        s, hd = x["hidden"].shape[1], model.cfg.hd
         start = int(x["total_len"]) - s
-        h, k, v = model.layers[i](x["hidden"], (torch.arange(s) + start)[None, :], x[f"past_key.{i}"],
-                                  x[f"past_value.{i}"], torch.tensor([start]))
-        caches = [x[f"past_key.{i}"].numpy().copy(), x[f"past_value.{i}"].numpy().copy()]
-        write_rows(caches[0], k.numpy(), start, s)
-        write_rows(caches[1], v.numpy(), start, s)
+        past_k, past_v = x[f"past_key.{i}"], x[f"past_value.{i}"]
+        h, k, v = model.layers[i](x["hidden"], (torch.arange(s) + start)[None, :], past_k[..., :hd],
+                                  past_v[..., :hd], torch.tensor([start]))
+        pad = (0, past_k.shape[-1] - hd)
+        caches = [past_k.numpy().copy(), past_v.numpy().copy()]
+        write_rows(caches[0], F.pad(k, pad).numpy(), start, s)
+        write_rows(caches[1], F.pad(v, pad).numpy(), start, s)
         return [h, *(torch.from_numpy(c) for c in caches)]
     return ref
 

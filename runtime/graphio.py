@@ -29,18 +29,23 @@ class Dims:
 
     n_layers: int
     n_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the cache rows (graph I/O): the model's, or larger for zero-padded heads (kv_head_dim)
     dim: int
     vocab_size: int
     max_seq: int
     kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
+    model_head_dim: int = 0  # the model's head size: the first model_head_dim entries of a cached row are its K/V
 
 
 KV_LAYOUTS = ("rows", "inplace")
 
 
-def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dims:
-    """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads."""
+def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None) -> Dims:
+    """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
+
+    `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
+    every head with zeros (a head size onnxruntime's GroupQueryAttention refuses, export/fused.py): row
+    [k_0 .. k_{hd-1}, 0 .. 0]. It sizes the cache and the graph I/O; nothing is inferred from names."""
     need(isinstance(config, dict), "config: expected an object")
     need(kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
 
@@ -52,7 +57,11 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows") -> Dim
     need(size("n_layers") <= MAX_LAYERS, f"config.n_layers: expected <= {MAX_LAYERS}")
     head_dim = size("head_dim") if config.get("head_dim") is not None else size("dim") // size("n_heads")
     need(head_dim > 0, "config: dim // n_heads must be positive")
-    return Dims(size("n_layers"), size("n_kv_heads"), head_dim, size("dim"), size("vocab_size"), max_seq, kv_layout)
+    cache = head_dim if kv_head_dim is None else kv_head_dim
+    need(is_int(cache) and head_dim <= cache <= head_dim + 8,  # padding to a multiple of 8 adds 7 at most
+         f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
+    return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
+                head_dim)
 
 
 # A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on

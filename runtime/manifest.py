@@ -19,7 +19,9 @@ readers accept exactly the versions listed):
      runtime/chat.py). Versions 1-5 read as eos_ids = [eos_id] and no template.
   7  adds `tokenizer.add_bos`: whether a text prompt gets `bos_id` in front, as the checkpoint's tokenizer
      defines it (export/bos_rule.py; false for Qwen2/2.5/3 and SmolLM2). Versions 1-6 read as
-     add_bos = (bos_id is not null), what their runtime did.
+     add_bos = (bos_id is not null), what their runtime did. Also adds `kv_head_dim` (integer or null): the width of a cache row when the layer graphs pad every head with
+     zeros (export/fused.py; a head size GroupQueryAttention refuses): [1, n_kv, max_seq, kv_head_dim], the
+     model's K/V in the first head_dim entries of a row, zeros after. null: the model's head_dim (versions 1-6).
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -94,6 +96,7 @@ class Manifest:
     quantization: dict | None = None             # None for fp32
     export_options: dict = field(default_factory=dict)
     verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| / max(1, |ref|) vs PyTorch
+    kv_head_dim: int | None = None               # cache row width if heads are zero-padded (format 7), else null
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,7 +104,7 @@ class Manifest:
     @cached_property
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
-        return dims_from_config(self.config, self.max_seq, self.kv_layout)
+        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim)
 
     @property
     def n_layers(self) -> int:
@@ -113,7 +116,13 @@ class Manifest:
 
     @property
     def head_dim(self) -> int:
+        """The width of a cache row (what KVCache allocates): the model's head size, or `kv_head_dim`."""
         return self.dims.head_dim
+
+    @property
+    def model_head_dim(self) -> int:
+        """The model's head size; `head_dim` is the cache's (larger for zero-padded heads, `kv_head_dim`)."""
+        return self.dims.model_head_dim
 
     @property
     def dim(self) -> int:
@@ -145,6 +154,8 @@ class Manifest:
         need(self.kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         need(self.kv_layout == "rows" or self.granularity == "layer",
              f"kv_layout: {self.kv_layout!r} needs granularity 'layer', got {self.granularity!r}")
+        need(self.kv_head_dim is None or self.kv_layout == "inplace",
+             f"kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only, got {self.kv_layout!r}")
         need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
         need(1 <= self.prefill_chunk <= self.max_seq,
              f"prefill_chunk: expected 1..max_seq={self.max_seq}, got {self.prefill_chunk}")
@@ -281,7 +292,7 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "config": "object", "granularity": "string", "kv_layout": "string", "max_seq": "integer", "prefill_chunk": "integer",
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
         "eos_id": "integer?", "eos_ids": "array", "sampler": "object", "quantization": "object?", "export_options": "object",
-        "verification": "object"}
+        "verification": "object", "kv_head_dim": "integer?"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
@@ -311,6 +322,8 @@ def _parse(doc: object) -> Manifest:
              f"graphs: role 'stack' needs format_version 4, this manifest says {version}")
     if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
         doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
+    if version < 7:  # every cache row is the model's head_dim wide
+        doc = {**doc, "kv_head_dim": None}
     if version < 6:  # one end-of-generation id, no chat template
         eos = doc.get("eos_id")
         tok = doc.get("tokenizer")

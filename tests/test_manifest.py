@@ -21,10 +21,11 @@ CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim":
           "rope_theta": 10000.0, "rope_scaling": [1.0, 0.5]}
 
 
-def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows") -> Manifest:
+def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows",
+                kv_head_dim: int | None = None) -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout)
+    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim)
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
@@ -42,7 +43,7 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
         tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
-        verification={g.name: 1e-6 for g in graphs},
+        verification={g.name: 1e-6 for g in graphs}, kv_head_dim=kv_head_dim,
     )
     manifest.write(root)
     return manifest
@@ -121,6 +122,26 @@ def test_add_bos_round_trips(tmp_path: Path) -> None:
     assert got.add_bos is False and got.to_json() == dataclasses.replace(
         written, tokenizer={**written.tokenizer, "add_bos": False}).to_json()
     assert json.loads(got.to_json())["tokenizer"]["add_bos"] is False
+
+
+def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
+    """Format 7's kv_head_dim (zero-padded heads, export/fused.py) is the cache row width the graphs and the
+    runtime use; the model's head_dim stays the config's. A format-6 manifest has no key: rows are head_dim wide."""
+    written = make_export(tmp_path / "pad", kv_layout="inplace", kv_head_dim=8)
+    got = read_manifest(tmp_path / "pad")
+    assert got == written and (got.kv_head_dim, got.head_dim, got.model_head_dim) == (8, 8, 4)
+    assert got.graph("layer", 1, 0).inputs[3].shape == (1, 2, 16, 8)
+    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=None))  # the graphs' caches no longer match
+    rejects(tmp_path / "pad", r"past_key\.0: expected \[1, 2, 16, 4\] float32, got \[1, 2, 16, 8\]")
+    for bad in (3, 13):
+        edit(tmp_path / "pad", lambda d, bad=bad: d.update(kv_head_dim=bad))
+        rejects(tmp_path / "pad", f"kv_head_dim: expected an integer from the model's head_dim 4 to 12, got {bad}")
+    edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=8, kv_layout="rows"))
+    rejects(tmp_path / "pad", "kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only")
+    make_export(tmp_path / "v6", kv_layout="inplace")
+    edit(tmp_path / "v6", lambda d: (d.update(format_version=6), d.pop("kv_head_dim")))
+    got = read_manifest(tmp_path / "v6")
+    assert (got.kv_head_dim, got.head_dim, got.model_head_dim) == (None, 4, 4)
 
 
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:

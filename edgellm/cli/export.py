@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="fused: layers built from onnxruntime's fused CPU kernels (GroupQueryAttention, "
                              "SkipSimplifiedLayerNormalization), the cache written in place (default, fastest); "
                              "standard: plain ONNX ops only, for toolchains without com.microsoft ops "
-                             "(granularity model is always standard)")
+                             "(granularity model is always standard). Fused layers take any head size: "
+                             "one that is no multiple of 8 is zero-padded to the next (manifest kv_head_dim)")
     parser.add_argument("--atol", type=float, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
                              "max(1, max |PyTorch|) (default 1e-4)")

@@ -44,14 +44,18 @@ def describe_export(path: Path) -> None:
     print(f"export: {path}")
     print(f"format: {FORMAT} {version} (written by edgellm {m.edgellm_version})")
     print(f"preset: {m.preset}  (dim {m.dim}, {m.n_layers} layers, {m.config.get('n_heads')}/{m.n_kv_heads} heads, "
-          f"head_dim {m.head_dim}, vocab {m.vocab_size})")
+          f"head_dim {m.model_head_dim}, vocab {m.vocab_size})")
     print(f"layout: granularity {m.granularity}, kv_layout {m.kv_layout}, max_seq {m.max_seq}, "
           f"prefill_chunk {m.prefill_chunk}, opset {m.opset}")
+    attention = m.export_options.get("attention_impl")  # recorded by export since issue 21
+    if isinstance(attention, str):
+        print(f"attention: {attention}")
     print(f"precision: {_precision(m)}")
     print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
     kv = 2 * m.n_layers * m.n_kv_heads * m.max_seq * m.head_dim * 4
     print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
-          f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once)")
+          f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once"
+          + (f"; heads zero-padded to {m.head_dim}" if m.head_dim != m.model_head_dim else "") + ")")
     tok = m.tokenizer
     chat = f"; chat template {tok['chat_template']} (run --chat)" if tok and tok["chat_template"] else ""
     eos = ", ".join(map(str, m.eos_ids)) or "none"

@@ -107,9 +107,10 @@ class ExportRunner:
                capture: dict[str, list] | None) -> None:
         start = cache.length
         cache.write_present(i, self.manifest.kv_layout, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
-        if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd]
-            capture["keys"][i].append(cache.keys[i][0, :, start:start + count].copy())
-            capture["values"][i].append(cache.values[i][0, :, start:start + count].copy())
+        if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd] (zero padding dropped)
+            hd = self.manifest.model_head_dim
+            capture["keys"][i].append(cache.keys[i][0, :, start:start + count, :hd].copy())
+            capture["values"][i].append(cache.values[i][0, :, start:start + count, :hd].copy())
 
 
 def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:
