@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP    ?= $(PYTHON) -m pip
 STAMP  := .setup-done
 
-.PHONY: setup browser demo test test-fast lint bench bench-ortgenai arm64 clean help
+.PHONY: setup browser demo test test-fast lint bench bench-ortgenai bench-quality arm64 clean help
 
 help:            ## list the targets
 	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -43,6 +43,10 @@ bench: $(STAMP)  ## speed/memory benchmarks (results go in the README)
 bench-ortgenai: $(STAMP)  ## the same workload against onnxruntime-genai (bench-only extra)
 	$(PIP) install -q -e '.[bench]'
 	$(PYTHON) bench/ortgenai.py
+
+bench-quality: $(STAMP)  ## quantization quality vs llama.cpp on SmolLM2-135M (bench-only extra; build/bench/quality)
+	$(PIP) install -q -e '.[bench]'
+	$(PYTHON) bench/quant_vs_llamacpp.py --root build/bench/quality --speed
 
 arm64: $(STAMP)  ## prove the runtime on aarch64 under qemu (numpy + onnxruntime only)
 	bash bench/arm64_check.sh

