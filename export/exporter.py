@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
@@ -31,6 +32,7 @@ from edgellm.runtime.sampling import SamplingParams
 from .e2e import check_end_to_end
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
+from .memory import release_memory
 from .options import ExportOptions
 from .stacking import STACK_FILE, check_stack, write_stack
 from .tokenizer_files import (
@@ -53,10 +55,13 @@ def _stderr(message: str) -> None:
 
 def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: Path | None = None,
                  log: Callable[[str], None] = _stderr, progress: bool = True,
-                 chat_template: Path | None = None) -> Manifest:
+                 chat_template: Path | None = None, weights: Weights | None = None) -> Manifest:
     """Export, verify (every graph and end to end) and write `out`; returns the manifest written. The chat
     template is `chat_template` (a .jinja or tokenizer_config.json) or else the one beside `tokenizer`.
 
+    `weights`: where `model`'s parameters come from, when it is not resident (`LazyWeights` of a lazily
+    loaded checkpoint, `model` = its meta-device Decoder): each unit, and each part of the end-to-end
+    forward, holds only its own parameters, so peak memory is bounded by the largest unit, not the model.
     Leaves `model` in eval mode with its RoPE built for `options.max_seq` (what the graphs compute).
     """
     start = time.perf_counter()
@@ -68,12 +73,15 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     loaded_tok = check_tokenizer(tokenizer, cfg)
     found = read_chat_template(chat_template) if chat_template is not None else find_chat_template(tokenizer)
     template = check_chat_template(found, loaded_tok, cfg) if found is not None else None
+    parts = weights if weights is not None else Resident(model)
+    need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout)
 
     partial = out.with_name(out.name + ".partial")
-    journal = Journal.open(partial, export_identity(model, options), log)
+    journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
+    release_memory()
     units = plan_units(model, options.granularity, options.kv_layout)
     seqs = variant_seqs(options)
     records: dict[str, UnitRecord] = {}
@@ -90,11 +98,14 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                     log(f"re-exporting {unit.stem}: {why}")
                 journal.forget(unit.stem)
                 known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
-                rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                with parts.holding(unit.weight_prefixes):
+                    rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                release_memory()  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
 
-    e2e = check_end_to_end(model, partial, options.granularity, dims, options.prefill_chunk, options.seed)
+    release_memory()
+    e2e = check_end_to_end(parts, partial, options.granularity, dims, options.prefill_chunk, options.seed)
     need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
                               f"> --atol {options.atol:g} (chunked prefill + decode, KVCache rule)")
     files = {rel: FileSpec(sha, (partial / rel).stat().st_size)
@@ -117,6 +128,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         export_options={**options.to_dict(), "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
+        release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)
 
     if out.is_dir() and not any(out.iterdir()):
