@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import Tensor
 
-from edgellm.model import Decoder
+from edgellm.loaders.lazy import Weights
 from edgellm.runtime.graphio import Dims, graph_paths
 from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
 
@@ -87,14 +88,28 @@ def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, token
                            for (_, count, seq), h in zip(calls, hidden, strict=True)])
 
 
-def check_end_to_end(model: Decoder, directory: Path, granularity: str, dims: Dims, chunk: int,
+def forward_by_parts(parts: Weights, tokens: Tensor) -> Tensor:
+    """The Decoder's full forward (no cache) of `tokens` [B,S] -> logits [B,S,V], the same calls in the same
+    order as `Decoder.forward`, holding one part's parameters at a time (the embedding, each layer, the head)."""
+    model = parts.model
+    positions = torch.arange(tokens.shape[1])[None, :]
+    with torch.no_grad():
+        with parts.holding(("embed.",)):
+            h = model.embed_tokens(tokens)
+        for i, layer in enumerate(model.layers):
+            with parts.holding((f"layers.{i}.",)):
+                h, _, _ = layer(h, positions, None, None, None)
+        with parts.holding(("norm.", "embed." if model.cfg.tie_embeddings else "lm_head.")):
+            return model.head(h)
+
+
+def check_end_to_end(parts: Weights, directory: Path, granularity: str, dims: Dims, chunk: int,
                      seed: int) -> float:
     """Max |logits| difference over every prompt and decode position."""
     prompt, steps = e2e_lengths(dims.max_seq, chunk)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, dims.vocab_size, (prompt + steps,), generator=gen)
-    with torch.no_grad():
-        want = model(tokens[None])[0][0].numpy()
+    want = forward_by_parts(parts, tokens[None])[0].numpy()
     got = onnx_logits(directory, granularity, dims, chunk, tokens.numpy(), prompt)
     gc.collect()
     return max_abs_diff([got], [want])

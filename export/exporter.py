@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
@@ -33,6 +34,7 @@ from .e2e import check_end_to_end
 from .fused import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
+from .memory import release_memory
 from .options import ExportOptions
 from .stacking import STACK_FILE, check_stack, write_stack
 from .tokenizer_files import (
@@ -55,12 +57,16 @@ def _stderr(message: str) -> None:
 
 def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: Path | None = None,
                  log: Callable[[str], None] = _stderr, progress: bool = True,
-                 chat_template: Path | None = None, add_bos: bool | None = None) -> Manifest:
+                 chat_template: Path | None = None, add_bos: bool | None = None,
+                 weights: Weights | None = None) -> Manifest:
     """Export, verify (every graph and end to end) and write `out`; returns the manifest written. The chat
     template is `chat_template` (a .jinja or tokenizer_config.json) or else the one beside `tokenizer`.
     `add_bos` (whether text prompts get BOS) defaults to what `tokenizer` defines (bos_rule.add_bos_rule);
     `edgellm export` passes the checkpoint's rule (bos_rule.checkpoint_add_bos).
 
+    `weights`: where `model`'s parameters come from, when it is not resident (`LazyWeights` of a lazily
+    loaded checkpoint, `model` = its meta-device Decoder): each unit, and each part of the end-to-end
+    forward, holds only its own parameters, so peak memory is bounded by the largest unit, not the model.
     Leaves `model` in eval mode with its RoPE built for `options.max_seq` (what the graphs compute).
     """
     start = time.perf_counter()
@@ -82,12 +88,15 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         need(not add_bos or cfg.bos_id is not None, "add_bos: the model has no BOS id to put in front")
         for note in rule_notes(tokenizer, add_bos):
             log(note)
+    parts = weights if weights is not None else Resident(model)
+    need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim)
 
     partial = out.with_name(out.name + ".partial")
-    journal = Journal.open(partial, export_identity(model, options), log)
+    journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
+    release_memory()
     units = plan_units(model, options.granularity, options.kv_layout)
     seqs = variant_seqs(options)
     records: dict[str, UnitRecord] = {}
@@ -104,11 +113,14 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                     log(f"re-exporting {unit.stem}: {why}")
                 journal.forget(unit.stem)
                 known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
-                rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                with parts.holding(unit.weight_prefixes):
+                    rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                release_memory()  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
 
-    e2e = check_end_to_end(model, partial, options.granularity, dims, options.prefill_chunk, options.seed)
+    release_memory()
+    e2e = check_end_to_end(parts, partial, options.granularity, dims, options.prefill_chunk, options.seed)
     need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
                               f"> --atol {options.atol:g} (chunked prefill + decode, KVCache rule)")
     files = {rel: FileSpec(sha, (partial / rel).stat().st_size)
@@ -133,6 +145,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim)
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
+        release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)
 
     if out.is_dir() and not any(out.iterdir()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import onnx
 import torch
 
 from edgellm import __version__
-from edgellm.model import Decoder
+from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import atomic_write_text, sha256_file
 
@@ -44,13 +44,14 @@ class UnitRecord:
         return {key: Ref(*where) for key, where in self.tensors.items()}
 
 
-def export_identity(model: Decoder, options: ExportOptions) -> str:
-    """sha256 over everything that determines the exported bytes."""
+def export_identity(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], options: ExportOptions) -> str:
+    """sha256 over everything that determines the exported bytes; `tensors`: the state dict in name order
+    (one at a time from a lazily loaded checkpoint)."""
     digest = hashlib.sha256()
     meta = {"journal": VERSION, "edgellm": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
-            "options": options.to_dict(), "config": model.cfg.to_dict()}
+            "options": options.to_dict(), "config": cfg.to_dict()}
     digest.update(json.dumps(meta, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in tensors:
         t = tensor.detach().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         digest.update(memoryview(t.numpy()).cast("B"))

@@ -34,7 +34,9 @@ def save_hf(family: str, out: Path, seed: int = 0, shard: str | None = None, **o
     config_cls, model_cls, extra = FAMILIES[family]
     fields = {**SMALL, **extra, **over}
     theta = fields.pop("rope_theta", None)
-    if theta is not None and "rope_parameters" not in fields:
+    if theta is not None and "rope_scaling" in fields:
+        fields["rope_theta"] = theta  # transformers 4 keywords: transformers 5 folds both into rope_parameters
+    elif theta is not None and "rope_parameters" not in fields:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     config = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(seed)
@@ -98,6 +100,41 @@ def test_static_rope_scalings(tmp_path, rope):
     diff, loaded = compare(model, tmp_path, positions=[0, 5, 40, 90, 200, 333, 700, 1000, 1500, 2200, 3000, 4000])
     assert diff <= 1e-4, diff
     assert loaded.config.rope_long_factor == loaded.config.rope_short_factor and max(loaded.config.rope_long_factor) > 1
+
+
+FAR = [0, 5, 40, 90, 200, 333, 700, 1000, 1500, 2200, 3000, 4000]  # positions past every scaled region
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("family,rope_scaling,theta", [
+    ("llama", LLAMA3, 500000.0),                           # Llama 3.1/3.2 as their config.json says it
+    ("llama", {"type": "linear", "factor": 4.0}, None),    # the oldest key for the rope type
+    ("qwen2", {"rope_type": "linear", "factor": 2.0}, 1e6),
+    ("qwen3", LLAMA3, 1e6),
+])
+def test_rope_scaling_as_transformers5_writes_it(tmp_path, family, rope_scaling, theta):
+    """A config made with transformers 4 keywords (rope_theta, rope_scaling) is saved by transformers 5 as
+    `rope_parameters` only; edgellm reads that, and the same config rewritten the transformers 4 way
+    (top-level rope_theta + rope_scaling, as older hub checkpoints ship it), to transformers' logits at
+    positions far past original_max_position_embeddings (64) and the factor's range."""
+    over = {"rope_scaling": dict(rope_scaling), "max_position_embeddings": 4096}  # transformers 5 edits it
+    model = save_hf(family, tmp_path, seed=5, **over, **({"rope_theta": theta} if theta is not None else {}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    params = config["rope_parameters"]
+    assert "rope_theta" not in config and not config.get("rope_scaling")  # transformers 5's layout
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    assert params["rope_type"] == kind and params["rope_theta"] == (theta or 10000.0)
+    diff, loaded = compare(model, tmp_path, positions=FAR)
+    assert diff <= 1e-4, diff
+    assert loaded.config.rope_theta == (theta or 10000.0) and max(loaded.config.rope_long_factor) > 1
+
+    legacy = {k: v for k, v in config.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=params["rope_theta"], rope_scaling={k: v for k, v in params.items() if k != "rope_theta"})
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    diff, again = compare(model, tmp_path, positions=FAR)
+    assert diff <= 1e-4, diff
+    assert again.config.to_dict() == loaded.config.to_dict()
 
 
 def test_legacy_rope_theta_key(tmp_path):

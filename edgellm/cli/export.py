@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -50,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
     options = ExportOptions(max_seq=max_seq, prefill_chunk=args.prefill_chunk, granularity=args.granularity,
                             attention=args.attention, atol=args.atol, opset=args.opset)
     options.validate()
-    loaded = load_checkpoint(args.checkpoint)
-    if args.max_seq is None and loaded.config.max_seq_len < max_seq:
-        options = dataclasses.replace(options, max_seq=loaded.config.max_seq_len)
-    add_bos = checkpoint_add_bos(loaded.source, loaded.tokenizer_path, loaded.config.bos_id)
-    export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress,
-                 chat_template=args.chat_template, add_bos=add_bos)
+    # lazy: the weights stay in the checkpoint file and each unit reads its own, so a model larger than
+    # memory as float32 still exports (peak ~ the largest unit plus the runtime check, not the whole model)
+    loaded = load_checkpoint(args.checkpoint, lazy=True)
+    with loaded.weights or contextlib.nullcontext():
+        if args.max_seq is None and loaded.config.max_seq_len < max_seq:
+            options = dataclasses.replace(options, max_seq=loaded.config.max_seq_len)
+        add_bos = checkpoint_add_bos(loaded.source, loaded.tokenizer_path, loaded.config.bos_id)
+        export_model(loaded.model, args.output, options, loaded.tokenizer_path, progress=not args.no_progress,
+                     chat_template=args.chat_template, add_bos=add_bos, weights=loaded.weights)
     return 0

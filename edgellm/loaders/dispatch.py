@@ -16,14 +16,18 @@ EXPECTED = (f"a directory with {MARKER} + {WEIGHTS} (edgellm), a directory with 
             f"{INDEX} (Hugging Face), a .gguf file (llama.cpp), or a llama2.c .bin file")
 
 
-def load_checkpoint(path: Path) -> Loaded:
-    """Load an edgellm, Hugging Face, GGUF or llama2.c checkpoint as an eval-mode float32 `Decoder`."""
+def load_checkpoint(path: Path, lazy: bool = False) -> Loaded:
+    """Load an edgellm, Hugging Face, GGUF or llama2.c checkpoint as an eval-mode float32 `Decoder`.
+
+    `lazy`: for safetensors checkpoints (HF, edgellm), everything is checked but the weights stay in the file
+    until asked for (`Loaded.weights`, see lazy.py; close it when done); GGUF and llama2.c files load whole.
+    """
     path = Path(path)
     need(path.exists(), f"{path}: no such file or directory (expected {EXPECTED})")
     if is_native_dir(path):  # checked first: an explicit marker beats a stray config.json
-        return load_native(path)
+        return load_native(path, lazy)
     if is_hf_dir(path):
-        return load_hf(path)
+        return load_hf(path, lazy)
     if is_gguf_file(path):  # by suffix or magic; load_gguf checks the magic
         return load_gguf(path)
     if path.is_file() and path.suffix == ".bin":

@@ -17,6 +17,7 @@ from edgellm.runtime.errors import EdgeError
 
 from .hf_config import hf_to_config
 from .hf_maps import FAMILIES
+from .lazy import LazyWeights
 from .loaded import Loaded
 from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
 
@@ -49,12 +50,15 @@ def open_weights(directory: Path) -> TensorSource:
         " (pytorch_model.bin is a pickle and is never loaded; re-save with safetensors)" if pickled else ""))
 
 
-def load_hf(directory: Path) -> Loaded:
+def load_hf(directory: Path, lazy: bool = False) -> Loaded:
+    """The checkpoint in `directory`; `lazy`: checked the same, but the weights stay in the file
+    (`Loaded.weights`, a LazyWeights owning the open source) and `Loaded.model` is on the meta device."""
     directory = Path(directory)
     config_path = directory / "config.json"
     hf = read_json(config_path)
     generation = read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
-    with open_weights(directory) as source:
+    source = open_weights(directory)
+    try:
         cfg = hf_to_config(hf, generation, "lm_head.weight" in source, config_path)
         weight_map = FAMILIES[hf["model_type"]]
         meta = meta_decoder(cfg)
@@ -63,7 +67,15 @@ def load_hf(directory: Path) -> Loaded:
         if cfg.tie_embeddings:
             ignored.add("lm_head.weight")  # transformers ties it to the embedding whatever the file holds
         check_plan(shapes(meta), plan, source, str(directory), ignored)
+        tokenizer = directory / "tokenizer.json"
+        tokenizer = tokenizer if tokenizer.is_file() else None
+        if lazy:
+            weights = LazyWeights(meta.eval(), plan, source)
+            return Loaded(weights.model, cfg, tokenizer, "hf", weights)
         model = materialize(meta)
         fill_model(model, plan, source)
-    tokenizer = directory / "tokenizer.json"
-    return Loaded(model.eval(), cfg, tokenizer if tokenizer.is_file() else None, "hf")
+    except BaseException:
+        source.close()
+        raise
+    source.close()
+    return Loaded(model.eval(), cfg, tokenizer, "hf")

@@ -29,6 +29,7 @@ from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, safe_join
 
 from .extra_state import TREE_FILE, read_extra_state, write_extra_state
+from .lazy import LazyWeights
 from .loaded import Loaded
 from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
 
@@ -104,7 +105,8 @@ def read_marker(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
     return doc, cfg
 
 
-def load_native(directory: Path) -> Loaded:
+def load_native(directory: Path, lazy: bool = False) -> Loaded:
+    """The checkpoint in `directory`; `lazy` as for `load_hf`."""
     directory = Path(directory)
     doc, cfg = read_marker(directory)
     weights = directory / WEIGHTS
@@ -115,12 +117,20 @@ def load_native(directory: Path) -> Loaded:
              f"{', '.join(TOKENIZER_NAMES)} or null, got {doc['tokenizer']!r}")
         tokenizer = safe_join(directory, doc["tokenizer"])
         need(tokenizer.is_file(), f"{tokenizer}: missing (named by {MARKER})")
-    with TensorSource([weights]) as source:
+    source = TensorSource([weights])
+    try:
         meta = meta_decoder(cfg)
         plan = {name: (name,) for name in meta.state_dict()}
         check_plan(shapes(meta), plan, source, str(weights))
+        if lazy:
+            lazy_weights = LazyWeights(meta.eval(), plan, source)
+            return Loaded(lazy_weights.model, cfg, tokenizer, "edgellm", lazy_weights)
         model = materialize(meta)
         fill_model(model, plan, source)
+    except BaseException:
+        source.close()
+        raise
+    source.close()
     return Loaded(model.eval(), cfg, tokenizer, "edgellm")
 
 
