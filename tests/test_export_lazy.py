@@ -93,3 +93,20 @@ def test_forward_by_parts_is_the_decoder_forward(checkpoint):
     with load_checkpoint(checkpoint / "ckpt", lazy=True).weights as lazy:
         lazy.model.set_context_len(model.cfg.max_seq_len)
         assert torch.equal(forward_by_parts(lazy, tokens), want)
+
+
+def test_lazy_gguf_export_is_the_resident_export(tmp_path):
+    """A .gguf loads lazily too (edgellm export's path): each tensor is dequantized when its unit needs it,
+    and the export is byte for byte the one from the fully dequantized model."""
+    from tests.gguf_helpers import Q, bpe_vocab, hf_model, write_gguf
+
+    v = bpe_vocab()
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model("qwen2", len(v["tokens"]), seed=5), "qwen2", v, Q.Q8_0)
+    resident = load_checkpoint(path)
+    with load_checkpoint(path, lazy=True).weights as lazy:
+        assert _resident_names(lazy.model) == set()
+        export_model(lazy.model, tmp_path / "lazy", OPTIONS, progress=False, log=lambda _: None, weights=lazy)
+        assert _resident_names(lazy.model) == set()
+    export_model(resident.model, tmp_path / "resident", OPTIONS, progress=False, log=lambda _: None)
+    a, b = read_manifest(tmp_path / "lazy"), read_manifest(tmp_path / "resident")
+    assert a.files == b.files and a.verification == b.verification

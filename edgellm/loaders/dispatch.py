@@ -19,8 +19,8 @@ EXPECTED = (f"a directory with {MARKER} + {WEIGHTS} (edgellm), a directory with 
 def load_checkpoint(path: Path, lazy: bool = False) -> Loaded:
     """Load an edgellm, Hugging Face, GGUF or llama2.c checkpoint as an eval-mode float32 `Decoder`.
 
-    `lazy`: for safetensors checkpoints (HF, edgellm), everything is checked but the weights stay in the file
-    until asked for (`Loaded.weights`, see lazy.py; close it when done); GGUF and llama2.c files load whole.
+    `lazy`: for safetensors and GGUF checkpoints, everything is checked but the weights stay in the file
+    until asked for (`Loaded.weights`, see lazy.py; close it when done); llama2.c files load whole.
     """
     path = Path(path)
     need(path.exists(), f"{path}: no such file or directory (expected {EXPECTED})")
@@ -29,7 +29,7 @@ def load_checkpoint(path: Path, lazy: bool = False) -> Loaded:
     if is_hf_dir(path):
         return load_hf(path, lazy)
     if is_gguf_file(path):  # by suffix or magic; load_gguf checks the magic
-        return load_gguf(path)
+        return load_gguf(path, lazy)
     if path.is_file() and path.suffix == ".bin":
         return load_llama2c(path)
     raise EdgeError(f"{path}: not a checkpoint edgellm can load (expected {EXPECTED})")

@@ -15,6 +15,7 @@ from .gguf_file import GGUFFile, GGUFSource, has_magic
 from .gguf_maps import unpermute
 from .gguf_tokenizer import write_tokenizer
 from .loaded import Loaded
+from .lazy import LazyWeights
 from .tensors import check_plan, fill_model, materialize, meta_decoder, shapes
 
 
@@ -23,9 +24,12 @@ def is_gguf_file(path: Path) -> bool:
     return path.is_file() and (path.suffix.lower() == ".gguf" or has_magic(path))
 
 
-def load_gguf(path: Path) -> Loaded:
+def load_gguf(path: Path, lazy: bool = False) -> Loaded:
+    """The model in a .gguf file; `lazy`: checked the same, but each tensor stays in the memory-mapped file
+    until a unit asks for it (`Loaded.weights`, a LazyWeights owning the open file; model on the meta device)."""
     path = Path(path)
-    with GGUFFile(path) as g:
+    g = GGUFFile(path)
+    try:
         source = GGUFSource(g)
         cfg, family = gguf_to_config(g, source)
         if family.permuted_qk:
@@ -39,8 +43,15 @@ def load_gguf(path: Path) -> Loaded:
         check_plan(shapes(meta), plan, source, str(path), ignored)
         tokenizer = write_tokenizer(g)  # before allocating: a broken vocabulary fails fast too
         g.forget("tokenizer.ggml.")
+        if lazy:
+            weights = LazyWeights(meta.eval(), plan, source)
+            return Loaded(weights.model, cfg, tokenizer, "gguf", weights)
         model = materialize(meta)
         fill_model(model, plan, source)
+    except BaseException:
+        g.close()
+        raise
+    g.close()
     return Loaded(model.eval(), cfg, tokenizer, "gguf")
 
 

@@ -186,5 +186,9 @@ class GGUFSource:
             out = np.ascontiguousarray(self.transforms[name](out))
         return torch.from_numpy(out)
 
+    def close(self) -> None:
+        """Drop the file's memory map (a lazy load's LazyWeights closes its source when export is done)."""
+        self.gguf.close()
+
 
 _CHUNK = 1 << 22  # values per dequantize call (16 MB of float32)
