@@ -14,8 +14,8 @@ from .gguf_config import gguf_to_config
 from .gguf_file import GGUFFile, GGUFSource, has_magic
 from .gguf_maps import unpermute
 from .gguf_tokenizer import write_tokenizer
-from .loaded import Loaded
 from .lazy import LazyWeights
+from .loaded import Loaded
 from .tensors import check_plan, fill_model, materialize, meta_decoder, shapes
 
 
