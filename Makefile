@@ -37,7 +37,7 @@ test-fast: $(STAMP) browser  ## the suite without the slow end-to-end tests
 lint: $(STAMP)   ## ruff
 	$(PYTHON) -m ruff check edgellm export runtime quant tests bench
 
-bench: $(STAMP)  ## speed/memory benchmarks (results go in the README)
+bench: $(STAMP)  ## speed/memory benchmarks (results go in docs/benchmarks.md)
 	$(PYTHON) bench/run_all.py
 
 bench-ortgenai: $(STAMP)  ## the same workload against onnxruntime-genai (bench-only extra)

@@ -1,4 +1,4 @@
-"""Quantization quality: which scheme, how much accuracy (the README's table).
+"""Quantization quality: which scheme, how much accuracy (docs/quantization.md).
 
     python bench/quant_quality.py [--work DIR] [--models demo,stories260k,medium] [--tokens 4096]
                                   [--demo-checkpoint DIR] [--no-diff]

@@ -98,8 +98,8 @@ class QuantizeOptions:
     def head(self) -> str:
         """The lm_head's precision. By default the linears': the lm_head is the largest single matrix (a fifth
         of stories110M's weights, a quarter of Qwen2.5-0.5B's) and decode reads all of it every token, so an
-        int8 head in an int4 model costs ~10 % of int4 decode speed (README "Benchmarks"); `--lm-head int8`
-        buys back about half of the int4 model's KL for that (README quality table)."""
+        int8 head in an int4 model costs ~10 % of int4 decode speed (docs/benchmarks.md); `--lm-head int8`
+        buys back about half of the int4 model's KL for that (docs/quantization.md)."""
         if self.lm_head is not None:
             return self.lm_head
         return "int4" if self.bits == 4 else "int8"

@@ -1,6 +1,6 @@
 """Timings of one generation and the process's peak memory.
 
-Definitions (the same as the performance anchors in the README):
+Definitions (the same as the performance anchors in docs/benchmarks.md):
 - time to first token (TTFT): from the start of `generate` to the first new token picked — tokenizing,
   the whole prompt forward and the first sampling step;
 - prefill tok/s = prompt tokens / TTFT;

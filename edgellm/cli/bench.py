@@ -1,6 +1,6 @@
 """`edgellm bench DIR`: prefill/decode speed, time to first token, runtime overhead and peak RSS of an export.
 
-Workload (the README's anchors): fixed pseudo-random prompt ids (seed 1234), greedy, EOS ignored,
+Workload (docs/benchmarks.md): fixed pseudo-random prompt ids (seed 1234), greedy, EOS ignored,
 --new-tokens new tokens, 2 threads, one warm-up then --runs timed runs; median (min-max). Contexts: a short
 prompt of 64 tokens and a long one of min(1024, max_seq - new_tokens) tokens. `--vs-torch CHECKPOINT`
 runs edgellm's PyTorch model on the same prompts (own argmax loop, static cache, same threads, in a child
