@@ -26,6 +26,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.tokenizer_hf import BYTE_TO_UNICODE
 
 from .gguf_file import GGUFFile
 
@@ -51,15 +52,6 @@ PRE_SPLITS = {
 }
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in keep}
-    for extra, b in enumerate(b for b in range(256) if b not in table):
-        table[b] = chr(256 + extra)
-    return table
-
-
 def _merges(meta: dict[str, Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
     if meta.get("merges") is not None:
         return [tuple(m.split(" ")) for m in meta["merges"]]  # type: ignore[misc]
@@ -81,7 +73,7 @@ def generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tup
 
 
 def _byte_level(meta: dict[str, Any]) -> Tokenizer:
-    alphabet = _byte_alphabet()
+    alphabet = BYTE_TO_UNICODE
     letters = set(alphabet.values())
     vocab = {t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(meta["tokens"])}
@@ -136,7 +128,7 @@ def build(g: GGUFFile) -> tuple[Tokenizer, dict[str, Any]]:
         raise
     except Exception as exc:  # the Rust side rejects e.g. a merge naming a token that is not in the vocabulary
         raise EdgeError(f"{g.path}: cannot build the tokenizer from its metadata ({exc})") from None
-    letters = set(_byte_alphabet().values()) if meta["model"] == "gpt2" else None
+    letters = set(BYTE_TO_UNICODE.values()) if meta["model"] == "gpt2" else None
     types = meta["token_type"]
     control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=False)
                if k == CONTROL and (letters is None or set(t) <= letters)]
