@@ -241,7 +241,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=9, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 8 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6, 7\)")
+    rejects(tmp_path, r"manifest\.json: format_version 9 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6, 7, 8\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
