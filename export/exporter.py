@@ -103,10 +103,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                 if unit.stem in journal.units:
                     log(f"re-exporting {unit.stem}: {why}")
                 journal.forget(unit.stem)
-                # the tied table is read from head.data, unless the embedding has weights of its own (a position
-                # table): a graph names one data file, so it then holds a copy (as quant/storage.py does)
-                shares = unit.role == "embed" and "head" in records and model.position_table() is None
-                known = records["head"].refs() if shares else {}
+                known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
                 rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec

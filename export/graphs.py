@@ -106,6 +106,9 @@ class Unit:
     module: nn.Module
     reference: Reference
     weight_prefixes: tuple[str, ...]  # state-dict names its initializers are named after
+    # tensors its data file holds for a later unit's graphs: the head of a tied model with a position table
+    # carries that table, so the embedding (token table + position table) reads one data file, head.data
+    carried: tuple[Tensor, ...] = ()
 
     def graph(self, seq: int, dims: Dims) -> tuple[str, str, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         """(graph name, .onnx file, data file, inputs, outputs) of the variant with S = seq."""
@@ -119,7 +122,10 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> lis
     if granularity == "model":
         return [Unit("model", "model", None, ModelGraph(model), _model_ref(model), ("",))]
     head_prefixes = ("norm.", "embed." if model.cfg.tie_embeddings else "lm_head.")
-    units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes),
+    table = model.position_table()
+    carried = (table.detach(),) if model.cfg.tie_embeddings and table is not None else ()
+    units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes,
+                  carried),
              Unit("embed", "embed", None, EmbedGraph(model),
                   lambda x: [model.embed_tokens(x["tokens"], x.get("positions"))], ("embed.", "pos_embed.", "pos_table"))]
     units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),

@@ -61,6 +61,8 @@ def test_exported_gpt2_greedy_equals_transformers(tmp_path, attention):
     m = read_manifest(out)
     assert m.dims.embed_positions and m.graph("embed", 8).inputs[1].name == "positions"
     assert ("no RoPE" in m.export_options["attention_impl"]) == (attention == "fused")
+    # tied: both tables of the embedding are read from head.data, each stored once
+    assert m.graph("embed", 8).data == "head.data" and not (out / "embed.data").exists()
     assert engine_greedy(out, PROMPT, STEPS) == want
     if attention == "fused":  # the embed + layer graphs one by one, as well as the stack
         assert engine_greedy(out, PROMPT, STEPS, stack=False) == want
@@ -121,3 +123,28 @@ def test_quantized_nanogpt(tmp_path):
         else:
             assert np.isfinite(got).all() and cmp.mean_kl < 0.05, cmp.mean_kl  # measured 0.008
         assert engine_greedy(out, PROMPT, 3)  # the runtime (stack graph) runs it
+
+
+def test_manifest_positions_input_is_checked(tmp_path):
+    """The embed graph must declare `positions` (format 8); an older format cannot hold a position-table model."""
+    import json
+
+    from edgellm.runtime.errors import EdgeError
+    from edgellm.runtime.manifest import MANIFEST
+
+    model = tiny_model("nanogpt", max_seq_len=64)
+    out = tmp_path / "e"
+    export_model(model, out, ExportOptions(max_seq=16, prefill_chunk=4, attention="standard"), progress=False,
+                 log=lambda _: None)
+    path = out / MANIFEST
+    doc = json.loads(path.read_text())
+    good = json.dumps(doc)
+    for g in doc["graphs"]:
+        if g["role"] == "embed":
+            g["inputs"] = [t for t in g["inputs"] if t["name"] != "positions"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(EdgeError, match=r"\(embed\.prefill\)\.inputs: expected names \['tokens', 'positions'\]"):
+        read_manifest(out)
+    path.write_text(good.replace('"format_version": 8', '"format_version": 7'))
+    with pytest.raises(EdgeError, match="config.pos_embedding: absolute position tables need format_version 8"):
+        read_manifest(out)
