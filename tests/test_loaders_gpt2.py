@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -92,3 +93,60 @@ def test_conv1d_shape_mismatch_named(tmp_path):
     save_file(tensors, path)
     with pytest.raises(EdgeError, match="h.1.mlp.c_fc.weight"):
         load_checkpoint(tmp_path)
+
+
+def write_gpt2_gguf(path: Path, model: torch.nn.Module, vocab: dict) -> Path:
+    """The model as llama.cpp's converter writes GPT-2: Conv1D weights transposed to [out, in], `output.weight`
+    a copy of the token table, LayerNorm epsilon under `gpt2.attention.layer_norm_epsilon`."""
+    from tests.gguf_helpers import _add, gguf
+
+    cfg, sd = model.config, {k.removeprefix("transformer."): v.float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    meta = {"general.name": "gpt2 test", "gpt2.context_length": cfg.n_positions, "gpt2.embedding_length": cfg.n_embd,
+            "gpt2.feed_forward_length": cfg.n_inner or 4 * cfg.n_embd, "gpt2.block_count": cfg.n_layer,
+            "gpt2.attention.head_count": cfg.n_head, "gpt2.attention.layer_norm_epsilon": cfg.layer_norm_epsilon,
+            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": vocab["tokens"],
+            "tokenizer.ggml.token_type": vocab["types"], "tokenizer.ggml.merges": vocab["merges"],
+            "tokenizer.ggml.bos_token_id": vocab["bos"], "tokenizer.ggml.eos_token_id": vocab["eos"]}
+    for key, value in meta.items():
+        _add(w, key, value)
+    tensors = {"token_embd.weight": sd["wte.weight"], "position_embd.weight": sd["wpe.weight"],
+               "output_norm.weight": sd["ln_f.weight"], "output_norm.bias": sd["ln_f.bias"],
+               "output.weight": sd["wte.weight"]}
+    names = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+             "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+    for i in range(cfg.n_layer):
+        for hf, ours in names.items():
+            for kind in ("weight", "bias"):
+                t = sd[f"h.{i}.{hf}.{kind}"]
+                tensors[f"blk.{i}.{ours}.{kind}"] = t.T.copy() if t.ndim == 2 else t
+    for name, t in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_gpt2_matches_transformers(tmp_path):
+    """llama.cpp's `gpt2` architecture: edgellm's load == the HF model it was written from == transformers' own
+    GGUF load of the file."""
+    pytest.importorskip("gguf")
+    from tests.gguf_helpers import bpe_vocab, reference
+
+    vocab = bpe_vocab()
+    # transformers' GGUF reader maps neither context_length nor feed_forward_length for gpt2: GPT-2's defaults
+    model = save_gpt2(tmp_path / "hf", vocab_size=len(vocab["tokens"]), bos_token_id=vocab["bos"],
+                      eos_token_id=vocab["eos"], n_positions=1024, n_inner=None)
+    path = write_gpt2_gguf(tmp_path / "gpt2.gguf", model, vocab)
+    loaded = load_checkpoint(path)
+    tokens = torch.randint(0, len(vocab["tokens"]), (1, 15), generator=torch.Generator().manual_seed(2))
+    ref, _ = reference(path)
+    with torch.no_grad():
+        got, _ = loaded.model(tokens)
+        for want in (model(tokens).logits, ref(tokens).logits):
+            assert (want - got).abs().max().item() <= 1e-4
+    cfg = loaded.config
+    assert (cfg.preset, cfg.pos_embedding, cfg.norm_kind, cfg.mlp_kind, cfg.max_seq_len) == (
+        "nanogpt", "learned", "layer", "gelu_tanh", 1024)
