@@ -148,3 +148,15 @@ def test_manifest_positions_input_is_checked(tmp_path):
     path.write_text(good.replace('"format_version": 8', '"format_version": 7'))
     with pytest.raises(EdgeError, match="config.pos_embedding: absolute position tables need format_version 8"):
         read_manifest(out)
+
+
+def test_cli_train_preset_nanogpt(corpus, tmp_path, capsys):  # noqa: F811
+    from edgellm.cli import main
+    from tests.test_train import CLI_SIZE
+
+    out = tmp_path / "out"
+    assert main(["train", "--preset", "nanogpt", "--data", str(corpus[0]), "-o", str(out), "--vocab-size", "300",
+                 "--steps", "3", *CLI_SIZE]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    cfg = load_checkpoint(out).config
+    assert (cfg.preset, cfg.pos_embedding, cfg.dim, cfg.rotary) == ("nanogpt", "learned", 32, False)
