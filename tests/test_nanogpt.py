@@ -123,6 +123,8 @@ def test_quantized_nanogpt(tmp_path):
         else:
             assert np.isfinite(got).all() and cmp.mean_kl < 0.05, cmp.mean_kl  # measured 0.008
         assert engine_greedy(out, PROMPT, 3)  # the runtime (stack graph) runs it
+        weights = read_manifest(out).quantization["weights"]  # the position table is gathered as is: fp32
+        assert weights["pos_embed.weight"]["format"] == "fp32" and weights["embed.weight"]["bits"] == 8
 
 
 def test_manifest_positions_input_is_checked(tmp_path):
