@@ -20,7 +20,7 @@ from torch import Tensor
 
 from edgellm.loaders.lazy import Weights
 from edgellm.runtime.graphio import Dims, graph_paths
-from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
+from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 
 from .verify import max_abs_diff, session
 
@@ -75,7 +75,8 @@ def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, token
             cache.advance(count)
             logits.append(out[0, :count])
         return np.concatenate(logits)
-    hidden = [runner.run("embed", seq, {"tokens": x})[0] for (_, _, seq), x in zip(calls, ids, strict=True)]
+    hidden = [runner.run("embed", seq, {"tokens": x, **embed_feeds(dims.embed_positions, start, seq, dims.max_seq)})[0]
+              for (start, _, seq), x in zip(calls, ids, strict=True)]
     for i in range(dims.n_layers):
         cache.reset()  # this layer's pass walks the context from 0 again; its own buffers are fresh
         for c, (start, count, seq) in enumerate(calls):

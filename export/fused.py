@@ -25,6 +25,9 @@ RotaryEmbedding before it; GroupQueryAttention itself takes hd % 8 == 0 only, so
 per head to the next multiple of 8 (`cache_head_dim`; the cache rows are that wide, manifest `kv_head_dim`).
 The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
 (rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
+GPT-2 (nanogpt: no RoPE, LayerNorm, GELU, biases): GroupQueryAttention with do_rotary=0 and no cos/sin caches,
+LayerNormalization and SkipLayerNormalization (o's bias in its bias input), MatMul up -> FastGelu (tanh) or
+BiasGelu/Gelu (erf) with up's bias inside -> MatMul down (+ bias); the qkv bias as for Qwen2.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray | None, ...]:
     (Qwen2.5-0.5B, rope_theta 1e6, 256 positions: rows 128+ differed by up to 1.5e-4 between calls), and the
     variants must hold the same constants to merge into one graph (pairing.py)."""
     cfg = model.cfg
+    if not cfg.rotary:  # absolute positions, added by the embedding: no rotation in the layers
+        return None, None, None, None
     cos, sin, q_scale, k_scale = model.rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
     def per_freq(t: torch.Tensor | None) -> np.ndarray | None:
         if t is None:
@@ -122,7 +127,7 @@ def _pad_heads(w: np.ndarray, hd: int, hd_pad: int) -> np.ndarray:
 def rope_in_gqa(cfg: ModelConfig) -> bool:
     """RoPE inside GroupQueryAttention (its one cos/sin cache): no XPos scales and a head size its RoPE takes;
     otherwise two RotaryEmbedding ops rotate q and k before it (same tables, same cache layout, 2 more ops)."""
-    return not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
+    return cfg.rotary and not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
 
 
 def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
@@ -134,6 +139,9 @@ def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
     if rope_in_gqa(cfg):
         return "fused GroupQueryAttention, RoPE inside"
     hd, pad = cfg.hd, cache_head_dim(cfg)
+    if not cfg.rotary:
+        padded = f", heads zero-padded {hd}->{pad} (kv_head_dim {pad})" if pad != hd else ""
+        return f"fused GroupQueryAttention{padded}, no RoPE ({cfg.pos_embedding} positions added by the embedding)"
     if pad != hd:
         return (f"fused GroupQueryAttention, heads zero-padded {hd}->{pad} (kv_head_dim {pad}), RoPE as 2 "
                 "RotaryEmbedding ops before it")
@@ -161,14 +169,14 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     _, present_k, present_v = (t.name for t in outputs[:3])
 
     # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
-    x = _rms_norm(b, hidden, b.const(p + "attn_norm.weight", _np(block.attn_norm.weight), True), cfg.norm_eps, clamp)
+    x = _first_norm(b, hidden, block.attn_norm, p + "attn_norm", cfg)
     qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
                                      True)])[0]
-    if cfg.qkv_bias:
+    if cfg.qkv_biased:
         qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
                                         True)])[0]
     cos, sin, q_scale, k_scale = tables
-    rope_outside = not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
+    rope_outside = cfg.rotary and not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
         sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))
@@ -200,8 +208,10 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv,
                  **partial)[0]
         rope_in, rotary = ["", ""], 0
-    else:
+    elif cfg.rotary:
         rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
+    else:  # absolute positions: GroupQueryAttention without rotation or caches
+        rope_in, rotary = [], 0
     qkv_in = [q, k, v] if separate else [qkv, "", ""]
     att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
                              n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd_real ** -0.5),
@@ -210,21 +220,26 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     o = _pad_heads(_np(block.attn.o.weight) * np.asarray(branch, np.float32)[..., None], hd_real, hd).T  # [H*hd, D]
     a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
 
-    # MLP branch, on the residual stream hidden + a
-    w2 = b.const(p + "mlp_norm.weight", _np(block.mlp_norm.weight), True)
-    if clamp:
-        res = b.op("Add", [hidden, a])[0]
-        y = _rms_norm(b, res, w2, cfg.norm_eps, True)
-    else:
-        y, _, _, res = b.op("SkipSimplifiedLayerNormalization", [a, hidden, w2], n_out=4, domain=MS,
-                            epsilon=cfg.norm_eps)
-    gu = b.op("MatMul", [y, b.const(p + "mlp.gate_up.weight", _np(block.mlp.gate_up.weight).T, True)])[0]
-    f = cfg.hidden_dim
-    gate, up = b.op("Split", [gu, b.const(p + "gate_up.split", np.array([f, f], np.int64))], n_out=2, axis=-1)
-    silu = b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0]
+    o_bias = (b.const(p + "attn.o.bias", _np(block.attn.o.bias) * branch, True) if cfg.linear_bias else None)
+
+    # MLP branch, on the residual stream hidden + a (+ o's bias)
+    y, res = _skip_norm(b, a, hidden, o_bias, block.mlp_norm, p + "mlp_norm", cfg)
+    if cfg.mlp_kind == "swiglu":
+        gu = _linear(b, y, block.mlp.gate_up, p + "mlp.gate_up")
+        f = cfg.hidden_dim
+        gate, up = b.op("Split", [gu, b.const(p + "gate_up.split", np.array([f, f], np.int64))], n_out=2, axis=-1)
+        act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0], up])[0]
+    else:  # GELU with up's bias inside the activation kernel
+        up = b.op("MatMul", [y, b.const(p + "mlp.up.weight", _np(block.mlp.up.weight).T, True)])[0]
+        bias = [b.const(p + "mlp.up.bias", _np(block.mlp.up.bias), True)] if cfg.linear_bias else []
+        if cfg.mlp_kind == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's
+            act = b.op("FastGelu", [up, *bias], domain=MS)[0]
+        else:
+            act = b.op("BiasGelu" if bias else "Gelu", [up, *bias], domain=MS)[0]
     branch = _branch_scale(block, "ls_mlp")
-    d = b.op("MatMul", [b.op("Mul", [silu, up])[0],
-                        b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
+    d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
+    if cfg.linear_bias:
+        d = b.op("Add", [d, b.const(p + "mlp.down.bias", _np(block.mlp.down.bias) * branch, True)])[0]
     out = b.op("Add", [res, d])[0]
 
     # name the graph outputs: rename the producing nodes' outputs
@@ -234,6 +249,43 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     proto = helper.make_model(graph, ir_version=10, producer_name="edgellm",
                               opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
     return ir.from_proto(proto), b.weights
+
+
+def _first_norm(b: _Builder, x: str, norm: torch.nn.Module, name: str, cfg: ModelConfig) -> str:
+    """The attention branch's norm: RMSNorm in fusable standard ops, or LayerNormalization (weight and bias)."""
+    w = b.const(name + ".weight", _np(norm.weight), True)
+    if cfg.norm_kind == "layer":
+        return b.op("LayerNormalization", [x, w, b.const(name + ".bias", _np(norm.bias), True)], axis=-1,
+                    epsilon=cfg.norm_eps)[0]
+    return _rms_norm(b, x, w, cfg.norm_eps, cfg.norm_eps_mode == "clamp")
+
+
+def _skip_norm(b: _Builder, a: str, hidden: str, bias: str | None, norm: torch.nn.Module, name: str,
+               cfg: ModelConfig) -> tuple[str, str]:
+    """(norm(hidden + a + bias), hidden + a + bias): the residual add and the MLP's norm in one kernel (Skip[Simplified]
+    LayerNormalization, bias in its bias input), or plain ops for the clamped RMSNorm."""
+    w = b.const(name + ".weight", _np(norm.weight), True)
+    if cfg.norm_kind == "layer":
+        beta = b.const(name + ".bias", _np(norm.bias), True)
+        y, _, _, res = b.op("SkipLayerNormalization", [a, hidden, w, beta, *([bias] if bias else [])], n_out=4,
+                            domain=MS, epsilon=cfg.norm_eps)
+        return y, res
+    if bias is not None:
+        a = b.op("Add", [a, bias])[0]
+    if cfg.norm_eps_mode == "clamp":
+        res = b.op("Add", [hidden, a])[0]
+        return _rms_norm(b, res, w, cfg.norm_eps, True), res
+    y, _, _, res = b.op("SkipSimplifiedLayerNormalization", [a, hidden, w], n_out=4, domain=MS,
+                        epsilon=cfg.norm_eps)
+    return y, res
+
+
+def _linear(b: _Builder, x: str, linear: torch.nn.Linear, name: str) -> str:
+    """MatMul(x, W^T) (+ bias)."""
+    y = b.op("MatMul", [x, b.const(name + ".weight", _np(linear.weight).T, True)])[0]
+    if linear.bias is not None:
+        y = b.op("Add", [y, b.const(name + ".bias", _np(linear.bias), True)])[0]
+    return y
 
 
 def _branch_scale(block: torch.nn.Module, gamma: str) -> np.ndarray | float:

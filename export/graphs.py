@@ -31,13 +31,24 @@ def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Te
 
 
 class EmbedGraph(nn.Module):
+    """tokens [1,S] (+ positions [1,S] with an absolute position table: a row Gather added, GPT-2) -> [1,S,D]."""
+
     def __init__(self, model: Decoder) -> None:
         super().__init__()
         self.embed = model.embed
         self.tied, self.scale = model.cfg.tie_embeddings, model.cfg.scale_emb
+        self.pos = model.cfg.pos_embedding
+        if self.pos == "learned":
+            self.pos_embed = model.pos_embed
+        elif self.pos == "sinusoidal":  # the model's fixed table, a constant of the graph
+            self.register_buffer("pos_table", model.pos_table, persistent=False)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return _embed_lookup(self.embed.weight, tokens, self.tied, self.scale)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        h = _embed_lookup(self.embed.weight, tokens, self.tied, self.scale)
+        if self.pos == "rope":
+            return h
+        table = self.pos_embed.weight if self.pos == "learned" else self.pos_table
+        return h + F.embedding(positions, table)
 
 
 class LayerGraph(nn.Module):
@@ -74,7 +85,7 @@ class ModelGraph(nn.Module):
         self.head = HeadGraph(model)
 
     def forward(self, tokens: Tensor, positions: Tensor, past_len: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        h = self.embed(tokens)
+        h = self.embed(tokens, positions)
         present: list[Tensor] = []
         for i, layer in enumerate(self.layers):
             h, k, v = layer(h, positions, past_len, past[2 * i], past[2 * i + 1])
@@ -95,6 +106,9 @@ class Unit:
     module: nn.Module
     reference: Reference
     weight_prefixes: tuple[str, ...]  # state-dict names its initializers are named after
+    # tensors its data file holds for a later unit's graphs: the head of a tied model with a position table
+    # carries that table, so the embedding (token table + position table) reads one data file, head.data
+    carried: tuple[Tensor, ...] = ()
 
     def graph(self, seq: int, dims: Dims) -> tuple[str, str, str, tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         """(graph name, .onnx file, data file, inputs, outputs) of the variant with S = seq."""
@@ -108,9 +122,12 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> lis
     if granularity == "model":
         return [Unit("model", "model", None, ModelGraph(model), _model_ref(model), ("",))]
     head_prefixes = ("norm.", "embed." if model.cfg.tie_embeddings else "lm_head.")
-    units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes),
-             Unit("embed", "embed", None, EmbedGraph(model), lambda x: [model.embed_tokens(x["tokens"])],
-                  ("embed.",))]
+    table = model.position_table()
+    carried = (table.detach(),) if model.cfg.tie_embeddings and table is not None else ()
+    units = [Unit("head", "head", None, HeadGraph(model), lambda x: [model.head(x["hidden"])], head_prefixes,
+                  carried),
+             Unit("embed", "embed", None, EmbedGraph(model),
+                  lambda x: [model.embed_tokens(x["tokens"], x.get("positions"))], ("embed.", "pos_embed.", "pos_table"))]
     units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),
                    (f"layers.{i}.", "rotary."))
               for i in range(n)]

@@ -66,6 +66,8 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
             proto.doc_string = f"edgellm {__version__} export: {name}"
             onnx.save_model(proto, directory / file)
             graphs.append((name, file, inputs, outputs))
+        for tensor in unit.carried:  # for a later unit's graphs (graphs.Unit.carried), referenced by content
+            data.put(tensor.to(torch.float32).numpy())
     finally:
         data.close()
     need(len(data.used) <= 1, f"{unit.stem}: graphs point into several data files {sorted(data.used)}")

@@ -20,7 +20,7 @@ from onnx import TensorProto
 
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.graphio import selector_feeds
-from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
+from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import SessionConfig, session_options
 
@@ -93,7 +93,8 @@ class ExportRunner:
                 for i in range(m.n_layers):
                     cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
             else:
-                hidden = self._run(("embed", None, seq), {"tokens": chunk}, count)["hidden"]
+                position = embed_feeds(m.dims.embed_positions, cache.length, seq, m.max_seq)
+                hidden = self._run(("embed", None, seq), {"tokens": chunk, **position}, count)["hidden"]
                 for i in range(m.n_layers):
                     out = self._run(("layer", i, seq), {"hidden": hidden, **common, f"past_key.{i}": cache.keys[i],
                                                         f"past_value.{i}": cache.values[i]}, count)

@@ -159,7 +159,8 @@ class Engine:
         # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
         hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
         session, spec = self._session("embed", seq)
-        v.graphs.append(BoundGraph(session, {"tokens": v.tokens}, {"hidden": hidden[0]}, self.clock, spec.name))
+        v.graphs.append(BoundGraph(session, {"tokens": v.tokens, **self._embed_positions(v)}, {"hidden": hidden[0]},
+                                   self.clock, spec.name))
         if self.in_place:
             common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
         else:
@@ -179,7 +180,8 @@ class Engine:
         """The stack graph: embedding and every layer in one session, writing every cache in place."""
         m, seq = self.manifest, v.seq
         v.hidden_out = np.zeros((1, seq, m.dim), np.float32)
-        inputs = {"tokens": v.tokens, "seqlens_k": self.seqlens_k, "total_len": self.total_len}
+        inputs = {"tokens": v.tokens, **self._embed_positions(v), "seqlens_k": self.seqlens_k,
+                  "total_len": self.total_len}
         outputs = {"hidden_out": v.hidden_out}
         for i in range(m.n_layers):
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
@@ -187,6 +189,10 @@ class Engine:
         session, spec = self._session("stack", seq)
         inputs |= selector_feeds(spec.selector, seq)
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
+
+    def _embed_positions(self, v: _Variant) -> dict[str, np.ndarray]:
+        """The embedding's `positions` input, for models with an absolute position table (format 8)."""
+        return {"positions": v.positions} if self.manifest.dims.embed_positions else {}
 
     # ------------------------------------------------------------------------------------------ running
 
@@ -216,10 +222,10 @@ class Engine:
             self.total_len[()] = length + v.seq
         else:
             self.past_len[0] = length
-            if v.seq == 1:
-                v.positions[0, 0] = length
-            else:  # padded rows get valid positions too (clamped): their values are never used
-                np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
+        if v.seq == 1:  # (inplace layers read no positions; an absolute position table does)
+            v.positions[0, 0] = length
+        else:  # padded rows get valid positions too (clamped): their values are never used
+            np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
         if v.releases:
             for graph, release in zip(v.body, v.release, strict=True):
                 graph.run()

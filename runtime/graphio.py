@@ -35,9 +35,13 @@ class Dims:
     max_seq: int
     kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
     model_head_dim: int = 0  # the model's head size: the first model_head_dim entries of a cached row are its K/V
+    # absolute position embeddings (GPT-2, config pos_embedding learned|sinusoidal, format 8): the embedding reads
+    # `positions` [1, S] too (the embed, stack and model graphs), gathering rows of its position table
+    embed_positions: bool = False
 
 
 KV_LAYOUTS = ("rows", "inplace")
+POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None) -> Dims:
@@ -60,8 +64,10 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
     cache = head_dim if kv_head_dim is None else kv_head_dim
     need(is_int(cache) and head_dim <= cache <= head_dim + 8,  # padding to a multiple of 8 adds 7 at most
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
+    pos = config.get("pos_embedding", "rope")
+    need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
-                head_dim)
+                head_dim, pos != "rope")
 
 
 # A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
@@ -95,8 +101,9 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     def i32(name: str, *shape: int) -> TensorSpec:
         return TensorSpec(name, shape, "int32")
 
+    positions = (i64("positions", 1, s),) if d.embed_positions else ()  # the embedding's, absolute tables only
     if role == "embed":
-        return (i64("tokens", 1, s),), (f32("hidden", 1, s, d.dim),)
+        return (i64("tokens", 1, s), *positions), (f32("hidden", 1, s, d.dim),)
     if role == "head":
         return (f32("hidden", 1, s, d.dim),), (f32("logits", 1, s, d.vocab_size),)
     # "stack" (format 4, optional): the embedding and every layer in one graph, tokens -> hidden_out
@@ -109,7 +116,7 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     need(role != "stack" or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
         need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")
-        return ((first_in, i32("seqlens_k", 1), i32("total_len"), *past),
+        return ((first_in, *(positions if role == "stack" else ()), i32("seqlens_k", 1), i32("total_len"), *past),
                 (first_out, *(TensorSpec(t.name.replace("past_", "present_"), t.shape, t.dtype) for t in past)))
     present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)

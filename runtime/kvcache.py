@@ -46,6 +46,14 @@ def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, 
     return {"positions": positions, "past_len": np.array([start], np.int64)}
 
 
+def embed_feeds(embed_positions: bool, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
+    """The embed graph's position input: positions [1, S] from `start` (clamped like step_feeds') for a model
+    with an absolute position table (graphio.Dims.embed_positions), else nothing."""
+    if not embed_positions:
+        return {}
+    return {"positions": np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]}
+
+
 def plan_calls(n: int, chunk: int, past: int, max_seq: int, kv_layout: str) -> list[tuple[int, int, int]]:
     """(offset into the tokens, real tokens, graph S) of each graph call that feeds `n` tokens after `past`
     filled rows: chunks of S = `chunk`, the last one padded; a lone token runs through the S = 1 graphs; and in

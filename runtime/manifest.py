@@ -22,6 +22,10 @@ readers accept exactly the versions listed):
      add_bos = (bos_id is not null), what their runtime did. Also adds `kv_head_dim` (integer or null): the width of a cache row when the layer graphs pad every head with
      zeros (export/fused.py; a head size GroupQueryAttention refuses): [1, n_kv, max_seq, kv_head_dim], the
      model's K/V in the first head_dim entries of a row, zeros after. null: the model's head_dim (versions 1-6).
+  8  models with absolute position embeddings (GPT-2 / seed 004: `config.pos_embedding` "learned" or "sinusoidal";
+     graphio.Dims.embed_positions): the embed, stack and model graphs take `positions` [1, S] int64 (absolute
+     positions of the S rows, padding clamped to max_seq - 1) and gather their position table's rows; their layer
+     graphs rotate nothing. Versions 1-7 have no such models (config.pos_embedding absent = "rope").
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -43,8 +47,8 @@ from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 7
-READS = (1, 2, 3, 4, 5, 6, 7)  # the versions this reader accepts
+FORMAT_VERSION = 8
+READS = (1, 2, 3, 4, 5, 6, 7, 8)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
@@ -322,6 +326,9 @@ def _parse(doc: object) -> Manifest:
              f"graphs: role 'stack' needs format_version 4, this manifest says {version}")
     if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
         doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
+    if version < 8 and isinstance(doc.get("config"), dict):
+        need(doc["config"].get("pos_embedding", "rope") == "rope",
+             f"config.pos_embedding: absolute position tables need format_version 8, this manifest says {version}")
     if version < 7:  # every cache row is the model's head_dim wide
         doc = {**doc, "kv_head_dim": None}
     if version < 6:  # one end-of-generation id, no chat template

@@ -13,7 +13,7 @@ import torch
 
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.graphio import selector_feeds
-from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
+from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import read_manifest
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=256)
@@ -66,7 +66,8 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
             cache.write(i, out[f"present_key.{i}"], out[f"present_value.{i}"], n)
         logits = out["logits"]
     else:
-        hidden = sess[f"embed.{kind}"].run(["hidden"], {"tokens": ids})[0]
+        hidden = sess[f"embed.{kind}"].run(["hidden"], {
+            "tokens": ids, **embed_feeds(manifest.dims.embed_positions, start, seq, manifest.max_seq)})[0]
         for i in range(manifest.n_layers):
             hidden, k, v = sess[f"layer_{i}.{kind}"].run(
                 ["hidden_out", f"present_key.{i}", f"present_value.{i}"],

@@ -161,8 +161,8 @@ def test_broken_and_unsupported_checkpoints(tmp_path):
 
     with pytest.raises(EdgeError, match="rope type 'yarn' is not supported"):
         load_with(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(EdgeError, match="model_type 'gpt2' is not supported"):
-        load_with(model_type="gpt2")
+    with pytest.raises(EdgeError, match="model_type 'bert' is not supported"):
+        load_with(model_type="bert")
     with pytest.raises(EdgeError, match="attention_bias"):
         load_with(attention_bias=True)
     with pytest.raises(EdgeError, match="quantized"):

@@ -44,6 +44,27 @@ def test_forward_matches_independent_reference(preset):
     np.testing.assert_allclose(logits[0].double().numpy(), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("over", [dict(pos_embedding="sinusoidal"), dict(mlp_kind="gelu", n_kv_heads=4),
+                                  dict(pos_embedding="sinusoidal", mlp_kind="swiglu", norm_kind="rms")])
+def test_nanogpt_variants_match_independent_reference(over):
+    """Seed 004's sinusoidal table (written pair by pair from its formula in the reference), exact GELU, and a
+    sinusoidal model with the Llama block: each switch on its own."""
+    model = tiny("nanogpt", **over)
+    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = model(tokens)
+    expected = ref.forward(state(model), model.cfg.to_dict(), tokens[0].tolist())
+    np.testing.assert_allclose(logits[0].double().numpy(), expected, atol=1e-4, rtol=0)
+    assert model.rotary is None and "pos_table" not in model.state_dict()
+
+
+def test_sinusoidal_table_definition():
+    from edgellm.model.rope import sinusoidal_table
+    table = sinusoidal_table(50, 16).double().numpy()
+    np.testing.assert_allclose(table, np.stack([ref.sinusoid(p, 16) for p in range(50)]), atol=1e-6)
+    assert table[0, 0::2].max() == 0 and table[0, 1::2].min() == 1  # position 0: sin 0, cos 0
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_prefill_then_decode_through_cache_equals_full_forward(preset):
     model = tiny(preset)

@@ -32,6 +32,8 @@ def feeds(session: ort.InferenceSession, seq: int, rng: np.random.Generator) -> 
             out[i.name] = np.full(shape, past + seq - 1, np.int32)
         elif i.name == "total_len":
             out[i.name] = np.array(past + seq, np.int32)
+        elif i.name == "positions":  # the embedding's, with an absolute position table (nanogpt)
+            out[i.name] = (past + np.arange(seq, dtype=np.int64))[None, :]
         else:
             out[i.name] = rng.standard_normal(shape).astype(np.float32)
     return out

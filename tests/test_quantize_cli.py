@@ -63,11 +63,12 @@ def generate(directory: Path, tokens: list[int], steps: int, qdq_level: int | No
 
 def dequantized(model: Decoder, bits: int, group: int, symmetric: bool) -> Decoder:
     """The PyTorch model a quantized export with `--lm-head int8` must compute: linears at (bits, group),
-    embedding/lm_head int8 per channel (one table when tied), every weight dequantize(quantize(W)) (RTN)."""
+    embedding/lm_head int8 per channel (one table when tied), every weight dequantize(quantize(W)) (RTN); a
+    position table stays fp32."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if p.dim() != 2:
+            if p.dim() != 2 or name == "pos_embed.weight":  # a position table (nanogpt) stays fp32
                 continue
             scheme = Scheme(bits, group, symmetric) if name.startswith("layers.") else Scheme(8, 0, symmetric)
             p.copy_(torch.from_numpy(dequantize(quantize_weight(p.numpy(), scheme))))

@@ -22,7 +22,7 @@ from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.graphio import selector_feeds
-from edgellm.runtime.kvcache import KVCache, plan_calls, step_feeds
+from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
 from edgellm.runtime.sampling import SamplingParams, StopParams
@@ -89,7 +89,8 @@ class ExportRunner:
                 self._write(cache, i, out, count, capture)
             logits = out["logits"]
         else:
-            hidden = self._run("embed", seq, None, {"tokens": tokens})["hidden"]
+            hidden = self._run("embed", seq, None, {
+                "tokens": tokens, **embed_feeds(m.dims.embed_positions, start, seq, m.max_seq)})["hidden"]
             if capture is not None:
                 capture["embed"].append(hidden[0, :count].copy())
             for i in range(m.n_layers):

@@ -30,7 +30,7 @@ def _step(model: Decoder, cache: KVCache, ids: list[int], capture: dict[str, lis
     tokens = torch.tensor([ids], dtype=torch.int64)
     positions = torch.arange(cache.length, cache.length + count, dtype=torch.int64)[None, :]
     past_len = torch.from_numpy(cache.past_len())
-    h = model.embed_tokens(tokens)
+    h = model.embed_tokens(tokens, positions)
     if capture is not None:
         capture["embed"].append(h[0].numpy().copy())
     for i, layer in enumerate(model.layers):

@@ -1,4 +1,5 @@
-"""GGUF metadata -> `ModelConfig` (llama.cpp key names, `{arch}.` prefixed), for the families in gguf_maps.
+"""GGUF metadata -> `ModelConfig` (llama.cpp key names, `{arch}.` prefixed), for the families in gguf_maps (gpt2:
+LayerNorm epsilon under `attention.layer_norm_epsilon`, no RoPE metadata, its fixed fields from the family entry).
 
 Sizes come from the metadata and are cross-checked against the tensors later (check_plan). The vocabulary
 size is the embedding's row count (llama.cpp's own rule; `{arch}.vocab_size` is optional), the token list
@@ -85,9 +86,9 @@ def gguf_to_config(g: GGUFFile, source: GGUFSource) -> tuple[ModelConfig, GGUFFa
         preset=family.preset, vocab_size=vocab, dim=dim, n_layers=g.integer(key("block_count")),
         n_heads=heads, n_kv_heads=kv_heads, head_dim=None if hd * heads == dim else hd,
         hidden_dim=g.integer(key("feed_forward_length")), max_seq_len=max_pos,
-        norm_eps=g.number(key("attention.layer_norm_rms_epsilon")), norm_eps_mode="add", rope_style="half",
+        norm_eps=g.number(key(family.eps_key)), norm_eps_mode="add", rope_style="half",
         qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, tie_embeddings="output.weight" not in source,
-        **_rope(g, arch, hd, max_pos, source),
+        **(_rope(g, arch, hd, max_pos, source) if family.rope else {}), **family.fields,
     )
     fields.update(token_ids(g, vocab))
     types = dict(sorted(g.type_histogram().items(), key=lambda kv: -kv[1]))

@@ -13,7 +13,8 @@ undoes it (what transformers' `LlamaTensorProcessor._reverse_permute_weights` do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,22 @@ class GGUFFamily:
     qkv_bias: bool = False
     qk_norm: bool = False
     permuted_qk: bool = False  # llama.cpp's converter reordered Q/K rows (undone by `unpermute`)
+    eps_key: str = "attention.layer_norm_rms_epsilon"  # the norm epsilon's metadata key (after `{arch}.`)
+    rope: bool = True  # RoPE metadata (freq_base, scaling) is read; False: the positions are a table
+    fields: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the architecture fixes
+
+
+def _gpt2_map() -> WeightMap:
+    """llama.cpp's GPT-2 names: fused `attn_qkv` (q|k|v, edgellm's order), `position_embd`, biases everywhere.
+    Its converter transposes GPT-2's Conv1D weights into the usual [out, in] (transformers transposes them
+    back for its Conv1D), so nothing is transposed here; it writes `output.weight` as a copy of the table."""
+    layer = {}
+    for kind in ("weight", "bias"):
+        layer |= {f"attn_norm.{kind}": (f"attn_norm.{kind}",), f"attn.qkv.{kind}": (f"attn_qkv.{kind}",),
+                  f"attn.o.{kind}": (f"attn_output.{kind}",), f"mlp_norm.{kind}": (f"ffn_norm.{kind}",),
+                  f"mlp.up.{kind}": (f"ffn_up.{kind}",), f"mlp.down.{kind}": (f"ffn_down.{kind}",)}
+    top = {**_TOP, "pos_embed.weight": ("position_embd.weight",), "norm.bias": ("output_norm.bias",)}
+    return WeightMap(top=top, layer=layer, layer_prefix="blk.{i}.")
 
 
 def _map(**layer: tuple[str, ...]) -> WeightMap:
@@ -60,6 +77,10 @@ FAMILIES: dict[str, GGUFFamily] = {
     "mistral": GGUFFamily("mistral", _LLAMA, permuted_qk=True),
     "qwen2": GGUFFamily("qwen2", _map(**_ATTN, **_QKV_BIAS, **_MLP), qkv_bias=True),
     "qwen3": GGUFFamily("qwen3", _map(**_ATTN, **_QK_NORM, **_MLP), qk_norm=True),
+    # GPT-2 (seed 004's model): llama.cpp computes its FFN with ggml_gelu, the tanh approximation (gelu_new)
+    "gpt2": GGUFFamily("nanogpt", _gpt2_map(), eps_key="attention.layer_norm_epsilon", rope=False,
+                       fields=dict(pos_embedding="learned", norm_kind="layer", mlp_kind="gelu_tanh",
+                                   linear_bias=True)),
 }
 
 

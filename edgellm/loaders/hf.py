@@ -16,7 +16,7 @@ from typing import Any
 from edgellm.runtime.errors import EdgeError
 
 from .hf_config import hf_to_config
-from .hf_maps import FAMILIES
+from .hf_maps import family_map
 from .lazy import LazyWeights
 from .loaded import Loaded
 from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
@@ -60,7 +60,8 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
     source = open_weights(directory)
     try:
         cfg = hf_to_config(hf, generation, "lm_head.weight" in source, config_path)
-        weight_map = FAMILIES[hf["model_type"]]
+        weight_map = family_map(hf["model_type"], source.names())
+        source.transposed = weight_map.is_transposed
         meta = meta_decoder(cfg)
         plan = weight_map.plan(meta.state_dict())
         ignored = {name for name in source.names() if weight_map.is_ignored(name)}

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3 and minicpm families.
+"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3 and minicpm families (and gpt2,
+whose fields hf_gpt2.py translates).
 
 Every behavioural field is set explicitly (nothing leaks from the preset's small defaults). Policy for
 features edgellm's decoder does not have: anything that would change the numbers is an EdgeError, except
@@ -22,7 +23,10 @@ from typing import Any
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import EdgeError, need
 
-PRESETS = {"llama": "llama2", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "minicpm": "minicpm4"}
+from .hf_gpt2 import gpt2_fields
+
+PRESETS = {"llama": "llama2", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "minicpm": "minicpm4",
+           "gpt2": "nanogpt"}
 
 
 def _int(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
@@ -130,6 +134,26 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
          f"{', '.join(PRESETS)})")
     need("quantization_config" not in hf, f"{where}: quantized checkpoints are not supported (load the fp16/fp32 "
          f"weights; edgellm quantizes after export)")
+    fields = gpt2_fields(hf, where) if family == "gpt2" else _llama_fields(hf, family, has_lm_head, where)
+    for key, field in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
+        value = hf.get(key) if hf.get(key) is not None else generation.get(key)
+        fields[field] = _token(value, key, where)
+    if family == "minicpm":
+        fields.update(_minicpm_fields(hf, where))
+    # every id that ends generation, config.json's first: instruct models list their end-of-turn token in
+    # generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3.1: three ids)
+    eos = _ids(hf.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
+    vocab = fields["vocab_size"]
+    fields["end_ids"] = [i for i in eos if 0 <= i < vocab]  # ModelConfig drops eos_id and repeats
+    fields["extra"] = {"source": "hf", "model_type": family}
+    try:
+        return ModelConfig.from_dict(fields)
+    except EdgeError as exc:
+        raise EdgeError(f"{where}: {exc}") from None
+
+
+def _llama_fields(hf: dict[str, Any], family: str, has_lm_head: bool, where: Path) -> dict[str, Any]:
+    """The fields of the RoPE / RMSNorm / SwiGLU families (llama, mistral, qwen2, qwen3, minicpm)."""
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     need(act == "silu", f"{where}: hidden_act {act!r} is not supported (expected silu)")
     need(not hf.get("mlp_bias", False), f"{where}: mlp_bias=true is not supported")
@@ -161,21 +185,7 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
         rope_style="half", qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=tie,
         **rope_fields(hf, family, head_dim, max_pos, where),
     )
-    for key, field in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
-        value = hf.get(key) if hf.get(key) is not None else generation.get(key)
-        fields[field] = _token(value, key, where)
-    if family == "minicpm":
-        fields.update(_minicpm_fields(hf, where))
-    # every id that ends generation, config.json's first: instruct models list their end-of-turn token in
-    # generation_config.json (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3.1: three ids)
-    eos = _ids(hf.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
-    vocab = fields["vocab_size"]
-    fields["end_ids"] = [i for i in eos if 0 <= i < vocab]  # ModelConfig drops eos_id and repeats
-    fields["extra"] = {"source": "hf", "model_type": family}
-    try:
-        return ModelConfig.from_dict(fields)
-    except EdgeError as exc:
-        raise EdgeError(f"{where}: {exc}") from None
+    return fields
 
 
 def _minicpm_fields(hf: dict[str, Any], where: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class WeightMap:
     layer: dict[str, tuple[str, ...]]  # per layer: edgellm suffix -> HF suffixes
     layer_prefix: str = "model.layers.{i}."
     ignored: tuple[str, ...] = ()  # regexes of HF tensors that hold no weights (e.g. cached RoPE tables)
+    transposed: tuple[str, ...] = ()  # regexes of HF tensors stored [in, out] (GPT-2's Conv1D), read transposed
 
     def plan(self, targets: Iterable[str]) -> Plan:
         """The plan for these state-dict names; a name the map cannot source is an EdgeError."""
@@ -43,6 +44,9 @@ class WeightMap:
 
     def is_ignored(self, name: str) -> bool:
         return any(re.fullmatch(pattern, name) for pattern in self.ignored)
+
+    def is_transposed(self, name: str) -> bool:
+        return any(re.fullmatch(pattern, name) for pattern in self.transposed)
 
 
 _TOP = {
@@ -63,6 +67,36 @@ _MLP = {
     "mlp.down.weight": ("mlp.down_proj.weight",),
 }
 _ROPE_TABLES = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # saved by old transformers versions
+
+
+def _gpt2(prefix: str) -> WeightMap:
+    """GPT-2: `transformer.` in front when saved from GPT2LMHeadModel, nothing when saved from GPT2Model (the
+    original openai-community checkpoints). c_attn is q|k|v already fused in edgellm's order; the Conv1D weights
+    (c_attn, c_proj, c_fc) are [in, out]; `attn.bias` / `attn.masked_bias` are causal-mask buffers."""
+    norm = {"weight": "weight", "bias": "bias"}
+    layer = {f"attn_norm.{k}": (f"ln_1.{v}",) for k, v in norm.items()}
+    layer |= {f"mlp_norm.{k}": (f"ln_2.{v}",) for k, v in norm.items()}
+    for kind in ("weight", "bias"):
+        layer |= {f"attn.qkv.{kind}": (f"attn.c_attn.{kind}",), f"attn.o.{kind}": (f"attn.c_proj.{kind}",),
+                  f"mlp.up.{kind}": (f"mlp.c_fc.{kind}",), f"mlp.down.{kind}": (f"mlp.c_proj.{kind}",)}
+    p = re.escape(prefix)
+    return WeightMap(
+        top={"embed.weight": (f"{prefix}wte.weight",), "pos_embed.weight": (f"{prefix}wpe.weight",),
+             "norm.weight": (f"{prefix}ln_f.weight",), "norm.bias": (f"{prefix}ln_f.bias",),
+             "lm_head.weight": ("lm_head.weight",)},
+        layer=layer, layer_prefix=prefix + "h.{i}.", ignored=(p + r"h\.\d+\.attn\.(bias|masked_bias)",),
+        transposed=(p + r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight",))
+
+
+GPT2_MAPS = {"transformer.": _gpt2("transformer."), "": _gpt2("")}
+
+
+def family_map(family: str, names: set[str]) -> WeightMap:
+    """The family's map; for gpt2 the one whose prefix the checkpoint's names use."""
+    if family == "gpt2":
+        return GPT2_MAPS["transformer." if "transformer.wte.weight" in names else ""]
+    return FAMILIES[family]
+
 
 FAMILIES: dict[str, WeightMap] = {
     "llama": WeightMap(top=_TOP, layer={**_ATTN, **_MLP}, ignored=_ROPE_TABLES),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ class TensorSource:
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
+        self.transposed: Callable[[str], bool] = lambda name: False  # 2-D tensors stored [in, out] (GPT-2 Conv1D)
         try:
             for path in files:
                 handle = self._open(Path(path))
@@ -92,7 +93,10 @@ class TensorSource:
         """Shape and safetensors dtype tag ("F32", "BF16", ...) without reading the data."""
         path = self._where[name]
         piece = _call(path, self._handles[path].get_slice, name)
-        return tuple(piece.get_shape()), piece.get_dtype()
+        shape = tuple(piece.get_shape())
+        if len(shape) == 2 and self.transposed(name):
+            shape = shape[::-1]
+        return shape, piece.get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, read through a short-lived mapping: unmapping it right away drops the file's pages
@@ -100,9 +104,10 @@ class TensorSource:
         path = self._where[name]
         try:
             with safe_open(str(path), framework="pt") as handle:
-                return handle.get_tensor(name)
+                tensor = handle.get_tensor(name)
         except Exception as exc:
             raise EdgeError(f"{path}: corrupt safetensors file ({exc})") from None
+        return tensor.t() if tensor.dim() == 2 and self.transposed(name) else tensor
 
     def close(self) -> None:
         self._stack.close()

@@ -41,6 +41,12 @@ class ModelConfig:
     xpos_scale_base: float = 512.0
     xpos_center: int | None = None  # None -> max_seq_len // 2 (fixed, so cached keys stay valid)
     qkv_bias: bool = False
+    # GPT-2 / nano-gpt (seed 004): "rope" (rotary inside attention), "learned" (a trained [max_seq_len, D] table
+    # added to the token embeddings) or "sinusoidal" (seed 004's fixed sin/cos table, added the same way)
+    pos_embedding: str = "rope"
+    norm_kind: str = "rms"  # "rms": RMSNorm (gain only); "layer": LayerNorm (mean removed, gain and bias)
+    mlp_kind: str = "swiglu"  # "swiglu" (gated); "gelu" (exact erf) or "gelu_tanh" (GPT-2's gelu_new): up -> act -> down
+    linear_bias: bool = False  # a bias on every linear of a block: qkv, o, the MLP's (GPT-2); the head has none
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, MiniCPM4 option)
     tie_embeddings: bool = False
     # MiniCPM (seed 002): embeddings * scale_emb; branches * scale_depth / sqrt(L); hidden / (dim / dim_model_base)
@@ -71,7 +77,14 @@ class ModelConfig:
              f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         need(self.head_dim is not None or self.dim % self.n_heads == 0,
              f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
-        need(self.hd % 2 == 0, f"head_dim={self.hd} must be even for RoPE")
+        need(self.pos_embedding in POS_EMBEDDINGS,
+             f"pos_embedding must be one of {'|'.join(POS_EMBEDDINGS)}, got {self.pos_embedding!r}")
+        need(self.norm_kind in ("rms", "layer"), f"norm_kind must be rms|layer, got {self.norm_kind!r}")
+        need(self.mlp_kind in MLP_KINDS, f"mlp_kind must be one of {'|'.join(MLP_KINDS)}, got {self.mlp_kind!r}")
+        need(not self.rotary or self.hd % 2 == 0, f"head_dim={self.hd} must be even for RoPE")
+        need(self.pos_embedding != "sinusoidal" or self.dim % 2 == 0,
+             f"dim={self.dim} must be even for sinusoidal positions")
+        need(self.rotary or not self.xpos, "xpos scales rotary embeddings: it needs pos_embedding 'rope'")
         need(self.norm_eps_mode in ("add", "clamp"), f"norm_eps_mode must be add|clamp, got {self.norm_eps_mode!r}")
         need(self.rope_style in ("half", "interleaved"), f"rope_style must be half|interleaved, got {self.rope_style!r}")
         for name in ("rope_short_factor", "rope_long_factor"):
@@ -92,6 +105,15 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def rotary(self) -> bool:
+        """Whether attention rotates q and k (RoPE); absolute position tables are added to the embeddings instead."""
+        return self.pos_embedding == "rope"
+
+    @property
+    def qkv_biased(self) -> bool:
+        return self.qkv_bias or self.linear_bias
 
     @property
     def residual_scale(self) -> float:
@@ -140,14 +162,21 @@ class ModelConfig:
     def n_params(self) -> int:
         hd, d = self.hd, self.dim
         attn = d * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * d
-        attn += (self.n_heads + 2 * self.n_kv_heads) * hd if self.qkv_bias else 0
+        attn += (self.n_heads + 2 * self.n_kv_heads) * hd if self.qkv_biased else 0
+        attn += d if self.linear_bias else 0
         attn += 2 * hd if self.qk_norm else 0
-        mlp = 3 * d * self.hidden_dim
-        layer = attn + mlp + 2 * d + (2 * d if self.layerscale_init is not None else 0)
+        gated = self.mlp_kind == "swiglu"
+        mlp = (3 if gated else 2) * d * self.hidden_dim
+        mlp += ((2 if gated else 1) * self.hidden_dim + d) if self.linear_bias else 0
+        norm = 2 * d if self.norm_kind == "layer" else d
+        layer = attn + mlp + 2 * norm + (2 * d if self.layerscale_init is not None else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * layer + d + head
+        pos = self.max_seq_len * d if self.pos_embedding == "learned" else 0
+        return self.vocab_size * d + pos + self.n_layers * layer + norm + head
 
 
+POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")
+MLP_KINDS = ("swiglu", "gelu", "gelu_tanh")
 MAX_LAYERS = 1024  # a corrupt n_layers must not make even a meta-device model build billions of modules
 _TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
                                               "dict[str, Any]": dict}
@@ -195,6 +224,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3": dict(preset="qwen3", qk_norm=True, rope_theta=1_000_000.0, norm_eps=1e-6, n_kv_heads=2,
                   head_dim=64, tie_embeddings=True),
     "mistral": dict(preset="mistral", rope_theta=1_000_000.0, n_kv_heads=2),
+    # seed 004's walk-through model / GPT-2: learned absolute positions, LayerNorm, GELU (tanh) MLP of 4 D,
+    # biases on every block linear, tied head, multi-head attention, no RoPE
+    "nanogpt": dict(preset="nanogpt", pos_embedding="learned", norm_kind="layer", mlp_kind="gelu_tanh",
+                    linear_bias=True, tie_embeddings=True, hidden_dim=1024, max_seq_len=256),
 }
 
 # Reference shapes used by the benchmarks (random weights), on top of the architecture presets.

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import Block, RMSNorm
-from .rope import Rotary
+from .layers import Block, make_norm
+from .rope import Rotary, sinusoidal_table
 
 KV = list[tuple[Tensor, Tensor]]
 
@@ -19,10 +19,14 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, context_len: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = Rotary(cfg, context_len)
+        self.rotary = Rotary(cfg, context_len) if cfg.rotary else None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        if cfg.pos_embedding == "learned":  # GPT-2's wpe: [max_seq_len, D], added to the token embeddings
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        elif cfg.pos_embedding == "sinusoidal":  # seed 004's fixed table, rebuilt (never saved)
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
         self.layers = nn.ModuleList(Block(cfg, self.rotary) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_eps_mode)
+        self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -40,13 +44,26 @@ class Decoder(nn.Module):
 
     def set_context_len(self, context_len: int) -> None:
         """Build RoPE for this context (LongRoPE picks long or short factors by it)."""
-        self.rotary.set_context_len(context_len)
+        if self.rotary is not None:
+            self.rotary.set_context_len(context_len)
 
-    def embed_tokens(self, tokens: Tensor) -> Tensor:
-        """tokens [B,S] int64 -> hidden [B,S,D] (times scale_emb)."""
+    def position_table(self) -> Tensor | None:
+        """[max_seq_len, D] absolute position embeddings added to the token embeddings, or None (RoPE)."""
+        if self.cfg.pos_embedding == "learned":
+            return self.pos_embed.weight
+        return self.pos_table if self.cfg.pos_embedding == "sinusoidal" else None
+
+    def embed_tokens(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [B,S] int64 -> hidden [B,S,D] (times scale_emb), plus the position table's rows at
+        `positions` [B,S] (default 0..S-1) for absolute position embeddings."""
         h = self.embed(tokens)
         if self.cfg.scale_emb != 1.0:
             h = h * self.cfg.scale_emb
+        table = self.position_table()
+        if table is not None:
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+            h = h + F.embedding(positions, table)
         return F.dropout(h, self.cfg.dropout, self.training)
 
     def head(self, h: Tensor) -> Tensor:
@@ -70,7 +87,7 @@ class Decoder(nn.Module):
         if positions is None:
             start = past_len.view(b, 1) if past is not None else 0
             positions = torch.arange(s, device=tokens.device)[None, :] + start
-        h = self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens, positions)
         new_kv: KV = []
         for i, layer in enumerate(self.layers):
             pk, pv = past[i] if past is not None else (None, None)

@@ -1,4 +1,5 @@
-"""The decoder's building blocks: RMSNorm, attention over a static KV cache, SwiGLU, the block."""
+"""The decoder's building blocks: RMSNorm / LayerNorm, attention over a static KV cache, SwiGLU / GELU MLP, the
+block."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ class RMSNorm(nn.Module):
         return (xf * inv * self.weight.to(torch.float32)).to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """(x - mean) * rsqrt(var + eps) * weight + bias over the last axis, in float32 (GPT-2)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(x.to(torch.float32), x.shape[-1:], self.weight.to(torch.float32),
+                         self.bias.to(torch.float32), self.eps)
+        return y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over `dim` (default: the model width)."""
+    dim = cfg.dim if dim is None else dim
+    return LayerNorm(dim, cfg.norm_eps) if cfg.norm_kind == "layer" else RMSNorm(dim, cfg.norm_eps, cfg.norm_eps_mode)
+
+
 def drop_path(x: Tensor, p: float, training: bool) -> Tensor:
     """Stochastic depth: drop a sample's whole branch with probability p (training only)."""
     if not training or p == 0.0:
@@ -45,13 +67,13 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd, h, kv = cfg.hd, cfg.n_heads, cfg.n_kv_heads
-        self.qkv = nn.Linear(cfg.dim, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
-        self.o = nn.Linear(h * hd, cfg.dim, bias=False)
+        self.qkv = nn.Linear(cfg.dim, (h + 2 * kv) * hd, bias=cfg.qkv_biased)
+        self.o = nn.Linear(h * hd, cfg.dim, bias=cfg.linear_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_eps_mode)
             self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_eps_mode)
 
-    def forward(self, x: Tensor, rope: tuple, past_k: Tensor | None, past_v: Tensor | None,
+    def forward(self, x: Tensor, rope: tuple | None, past_k: Tensor | None, past_v: Tensor | None,
                 past_len: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
         b, s, _ = x.shape
@@ -63,9 +85,10 @@ class Attention(nn.Module):
         v = v.view(b, s, kv, hd).transpose(1, 2)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin, q_scale, k_scale = rope
-        q = apply_rotary(q, cos, sin, q_scale, cfg.rope_style)
-        k = apply_rotary(k, cos, sin, k_scale, cfg.rope_style)
+        if rope is not None:  # None: absolute positions were added to the embeddings (GPT-2)
+            cos, sin, q_scale, k_scale = rope
+            q = apply_rotary(q, cos, sin, q_scale, cfg.rope_style)
+            k = apply_rotary(k, cos, sin, k_scale, cfg.rope_style)
 
         qg = q.reshape(b, kv, g * s, hd) * (hd ** -0.5)  # head h = kv_head * G + group
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().repeat(g, 1)  # [G*S, S]
@@ -89,25 +112,38 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)
-        self.down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.gate_up = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=cfg.linear_bias)
+        self.down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.linear_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: down(gelu(up(x))), exact (erf) or tanh-approximated GELU ("gelu_new")."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.approximate = "tanh" if cfg.mlp_kind == "gelu_tanh" else "none"
+        self.up = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.linear_bias)
+        self.down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.linear_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
+
+
 class Block(nn.Module):
     """Pre-norm block: h += branch(attn); h += branch(mlp); a branch is LayerScale, depth scaling, DropPath."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rotary = rotary  # shared by all blocks; a layer graph computes its RoPE from positions
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_eps_mode)
+        self.rotary = rotary  # shared by all blocks; a layer graph computes its RoPE from positions; None: no RoPE
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_eps_mode)
-        self.mlp = MLP(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg) if cfg.mlp_kind == "swiglu" else GeluMLP(cfg)
         if cfg.layerscale_init is not None:
             self.ls_attn = nn.Parameter(torch.full((cfg.dim,), cfg.layerscale_init))
             self.ls_mlp = nn.Parameter(torch.full((cfg.dim,), cfg.layerscale_init))
@@ -124,7 +160,8 @@ class Block(nn.Module):
                 past_len: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """h [B,S,D], positions [B,S] -> (h [B,S,D], k_new, v_new [B,KV,S,hd])."""
         layerscale = self.cfg.layerscale_init is not None
-        a, k, v = self.attn(self.attn_norm(h), self.rotary(positions), past_k, past_v, past_len)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        a, k, v = self.attn(self.attn_norm(h), rope, past_k, past_v, past_len)
         h = h + self._branch(a, self.ls_attn if layerscale else None)
         h = h + self._branch(self.mlp(self.mlp_norm(h)), self.ls_mlp if layerscale else None)
         return h, k, v

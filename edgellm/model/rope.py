@@ -95,3 +95,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, scale: Tensor | None, styl
     if scale is not None:
         x = x * scale
     return (x * cos + rotate(x, style) * sin).to(dtype)
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> Tensor:
+    """Seed 004's (and "Attention Is All You Need"'s) position encoding, [n_pos, dim] float32:
+    PE[p, 2i] = sin(p / 10000^(2i/dim)), PE[p, 2i+1] = cos(p / 10000^(2i/dim)), sin and cos alternating."""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
+    angles = pos / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [n_pos, dim/2]
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(torch.float32)
