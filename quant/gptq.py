@@ -23,11 +23,12 @@ import numpy as np
 
 from edgellm.runtime.errors import need
 
-from .methods import search_params
+from .methods import CLIP_RATIOS, search_params
 from .schemes import QuantizedWeight, Scheme, dequantize_blocks, quantize, to_blocks
 
 BLOCK = 128          # lazy-batch width (a multiple of every group size up to 128; 256-groups use 256)
 DAMP = 0.01
+RATIOS = CLIP_RATIOS[CLIP_RATIOS >= 0.7]    # 13 clip ratios: the compensation recovers what a finer grid would
 
 
 def _inverse_factor(h: np.ndarray, damp: float) -> np.ndarray:
@@ -46,7 +47,7 @@ def _inverse_factor(h: np.ndarray, damp: float) -> np.ndarray:
 
 def _group_params(w: np.ndarray, scheme: Scheme, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Scale and zero point [N, 1] for one group of columns w [N, g], weights [g] (diag H)."""
-    s, z = search_params(w[:, None, :], scheme, weights[None, :].astype(np.float32))
+    s, z = search_params(w[:, None, :], scheme, weights[None, :].astype(np.float32), RATIOS)
     return s, z
 
 
@@ -70,7 +71,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, scheme: Scheme, act_order: bool 
     if scheme.block_size == 0 or act_order:       # static parameters from the original weight
         wb = to_blocks(w, g)
         weights = to_blocks(diag[None, :].astype(np.float32), g)[0]
-        scales, zps = search_params(wb, scheme, weights)
+        scales, zps = search_params(wb, scheme, weights, RATIOS)
     perm = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
     inv_perm = np.argsort(perm)
     wp = w[:, perm]
