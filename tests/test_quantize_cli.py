@@ -291,7 +291,7 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["weight", "scheme", "MB"] and lines[1].startswith("embed.weight")
-    assert any(line.startswith("layers.0.attn.qkv.weight") and "int8-ch-sym-rtn" in line for line in lines)
+    assert any(line.startswith("layers.0.attn.qkv.weight") and "int8-g64-sym-rtn" in line for line in lines)
     assert any(line.startswith("lm_head.weight") and " fp32 " in line for line in lines)
     assert any(line.startswith("total") for line in lines) and "export size:" in out and "check vs fp32" in out
     doc = json.loads((tmp_path / "q" / "manifest.json").read_text())

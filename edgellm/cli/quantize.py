@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
     p.add_argument("--group-size", default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
-                        "scale per output channel (default: 32 for --bits 4, 0 for --bits 8)")
+                        "scale per output channel (default: 32 for --bits 4, 64 for --bits 8)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
                      help="zero point fixed at the middle code (default)")
@@ -41,14 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "linear's Hessian from the same calibration activations")
     p.add_argument("--embeddings", default="int8", metavar="{int8,fp32}", help="int8 (per row, default) or fp32")
     p.add_argument("--lm-head", default=None, metavar="{int8,int4,fp32}",
-                   help="int8 (per channel), int4 (--group-size groups) or fp32; default: as --bits (int4 decodes "
+                   help="int8 (groups of 64), int4 (--group-size groups) or fp32; default: as --bits (int4 decodes "
                         "~10%% faster, int8 halves the int4 model's KL). A tied int8 lm_head and int8 embeddings "
                         "share one table")
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
     p.add_argument("--int8-layers", default=None, metavar="LIST",
-                   help="with --bits 4: these layers' linears int8 per channel, e.g. 0,-1 (first and last)")
+                   help="with --bits 4: these layers' linears int8 (groups of 64), e.g. 0,-1 (first and last)")
     p.add_argument("--accuracy-level", default="4", metavar="{0,1,4}",
                    help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
                         "0/1 = fp32 activations")
