@@ -3,11 +3,14 @@ for calibration and checks).
 
     schemes.py     integer codes, (de)quantization, the MatMulNBits and DequantizeLinear packings
     methods.py     how scales are chosen: rtn, mse (optionally activation-weighted)
+    gptq.py        GPTQ's error-compensating rounding against a calibration Hessian (--method gptq)
+    mixed.py       --int8-fraction: which linears get int8, by measured output-error sensitivity
+    budget.py      --kl-budget: the smallest variant of a size ladder within a measured KL
     plan.py        QuantPlan: which weight gets which spec, memoised quantization
     rewrite.py     one ModelProto: MatMul/Gemm -> MatMulNBits | DequantizeLinear+MatMul, Gather -> int8 rows
-    tied.py        the tied embedding lookup, sharing the lm_head's int8 table
+    tied.py        the tied embedding lookup, sharing the lm_head's quantized table (any bits / block)
     options.py     `edgellm quantize` flags -> QuantPlan
-    calibrate.py   activation scales from the fp32 export itself (--method awq); runner.py runs it
+    calibrate.py   activation scales and Hessians from the fp32 export itself; runner.py runs it
     storage.py     external data files, each tensor stored once
     export_dir.py  quantize_export: an export directory -> a new quantized one
     report.py      the per-weight table, KL / top-1 / perplexity

@@ -17,7 +17,7 @@ each alpha tried (awq.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ class Calibration:
     tokens: int
     sequences: int
     seed: int
+    hessians: dict[str, np.ndarray] = field(default_factory=dict)   # weight -> X^T X [K, K] (GPTQ)
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "sequences": self.sequences, "seed": self.seed,
@@ -67,14 +68,14 @@ def sample_sequences(directory: Path, n_tokens: int, seed: int, length: int | No
 
 
 def calibrate(directory: Path, manifest: Manifest, n_tokens: int, seed: int,
-              progress: Callable[[int], None] | None = None) -> Calibration:
+              progress: Callable[[int], None] | None = None, hessians: bool = False) -> Calibration:
     """Act scales of every weight of the export in `directory` over ~`n_tokens` sampled tokens."""
     sequences = sample_sequences(directory, n_tokens, seed)
     total = sum(map(len, sequences))
     runner = ExportRunner(Path(directory), manifest, capture=True, sample_every=-(-total // SAMPLE_ROWS),
-                          sample_rows=SAMPLE_ROWS)
+                          sample_rows=SAMPLE_ROWS, hessians=hessians)
     for seq in sequences:
         runner.logits(seq)
         if progress is not None:
             progress(len(seq))
-    return Calibration(runner.act_scales(), runner.sampled(), total, len(sequences), seed)
+    return Calibration(runner.act_scales(), runner.sampled(), total, len(sequences), seed, runner.hessians())

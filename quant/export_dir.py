@@ -30,6 +30,7 @@ from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
 
+from . import mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
 from .options import QuantizeOptions, logical_name, unmatched_keeps
@@ -109,8 +110,9 @@ def _site(r: WeightReport) -> WeightSite:
 
 
 def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bool = True,
-                    progress: bool = True, log: Callable[[str], None] = _stderr) -> QuantizeResult:
-    """Quantize the export in `src` into `out` (created or replaced atomically); see the module docstring."""
+                    progress: bool = True, log: Callable[[str], None] = _stderr,
+                    calibration: Calibration | None = None) -> QuantizeResult:
+    """`calibration`: reuse one made by an earlier call (--kl-budget tries several variants on the same)."""
     src, out = Path(src), Path(out)
     need(src.is_dir(), f"{src}: not a directory (expected an edgellm export directory)")
     manifest = read_manifest(src)
@@ -123,14 +125,17 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     if missing:
         raise EdgeError(f"--keep {missing[0]!r}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
-    calib = None
-    if options.method == "awq":
+    calib = calibration if options.calibrated else None
+    hessians = options.method == "gptq" or options.int8_fraction > 0
+    if options.calibrated and (calib is None or (hessians and not calib.hessians)):
         with tqdm(total=options.calibration_tokens, desc="calibrate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
-            calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update)
+            calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update, hessians)
         log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences sampled by the fp32 export")
-    plan = options.plan(manifest.n_layers, calib.act_scales if calib else None)
-    migrator = Migrator(plan, calib) if calib is not None else None
+    promoted = _promotions(src, manifest, options, calib, progress, log) if options.int8_fraction else frozenset()
+    plan = options.plan(manifest.n_layers, calib.act_scales if calib else None,
+                        calib.hessians if calib and options.method == "gptq" else None, promoted)
+    migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
@@ -157,6 +162,24 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     before = sum(f.bytes for f in manifest.files.values())
     after = sum(f.bytes for f in new.files.values())
     return QuantizeResult(new, names, before, after, comparison, calib)
+
+
+def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: Calibration | None,
+                progress: bool, log: Callable[[str], None]) -> frozenset[str]:
+    """`--int8-fraction`: the int4 linears promoted to int8 by measured sensitivity (mixed.py)."""
+    need(calib is not None and bool(calib.hessians), "--int8-fraction: internal error, no calibration Hessians")
+    chooser, base = options.chooser(manifest.n_layers), options.linear_spec()
+    low, high = base.scheme, options.promoted_spec().scheme
+
+    def eligible(site: WeightSite) -> bool:
+        return chooser(site) == base
+    with tqdm(total=len(manifest.graphs) // 2, desc="sensitivity", unit="graph", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        found = mixed.measure(src, manifest, calib.hessians, low, high, eligible, bar.update)  # type: ignore[union-attr]
+    chosen = mixed.choose(found, options.int8_fraction)
+    log(f"--int8-fraction {options.int8_fraction}: {len(chosen)} of {len(found)} linears int8 by measured "
+        f"sensitivity: {', '.join(sorted(n.removesuffix('.weight') for n in chosen)) or 'none'}")
+    return chosen
 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,

@@ -34,6 +34,7 @@ from .schemes import (
 )
 
 METHODS = ("rtn", "mse")
+SPEC_METHODS = METHODS + ("gptq",)   # gptq (gptq.py) needs a Hessian, which the plan holds
 CLIP_RATIOS = np.linspace(0.5, 1.0, 21)      # step 0.025; 1.0 (= RTN) must stay in the grid
 
 
@@ -45,7 +46,8 @@ class QuantSpec:
     method: str = "rtn"
 
     def __post_init__(self) -> None:
-        need(self.method in METHODS, f"quantization method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        need(self.method in SPEC_METHODS,
+             f"quantization method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
 
     @property
     def label(self) -> str:

@@ -2,14 +2,17 @@
 
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
-  2. the lm_head                 `--lm-head` int8 (per channel) | int4 (`--group-size`, default 32) | fp32;
+  2. the lm_head                 `--lm-head` int8 (group 64) | int4 (`--group-size`, default 32) | fp32;
                                  default: the linears' bits (int4 with --bits 4, as onnxruntime-genai's int4)
-  3. `--int8-layers 0,-1`        every linear of those layers int8 per channel (with `--bits 4`)
+  3. `--int8-layers 0,-1`        every linear of those layers int8 (group 64; with `--bits 4`)
+     `--int8-fraction F`         (with `--bits 4`) the linears that matter most, about a fraction F of the
+                                 linears' weights, int8: chosen by measured sensitivity (mixed.py)
   4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
   5. the token embedding         `--embeddings` int8 (per row) | fp32
 Module paths are the state-dict ones of design.md; a tied lm_head (stored as `embed.weight`) answers to
 "lm_head" and the embedding table to "embed". `--method awq`: AWQ's scale migration (awq.py), then the
-`mse` clip search weighted by per-input-channel activation scales, both from calibrate.py.
+`mse` clip search weighted by per-input-channel activation scales, both from calibrate.py. `--method gptq`:
+GPTQ's error-compensating rounding against each linear's calibration Hessian (gptq.py; `--act-order`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from .schemes import Scheme
 
 BITS = (4, 8)
 GROUPS = (0, 16, 32, 64, 128, 256)      # 0 = one scale per output channel; 16..256: onnxruntime's kernel
-METHODS = ("rtn", "mse", "awq")
+METHODS = ("rtn", "mse", "awq", "gptq")
 EMBEDDINGS = ("int8", "fp32")
 LM_HEADS = ("int8", "int4", "fp32")
+INT8_GROUP = 64    # the --bits 8 default block: SmolLM2-135M KL 0.0118 vs 0.0154 per channel, +0.8 % size
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -37,7 +41,7 @@ TIED_NAMES = ("embed.weight", "lm_head.weight")
 @dataclass(frozen=True)
 class QuantizeOptions:
     bits: int = 4
-    group_size: int | None = None       # None: 32 for int4, 0 (per channel) for int8
+    group_size: int | None = None       # None: 32 for int4, 64 for int8 (INT8_GROUP)
     symmetric: bool = True
     format: str = "fast"
     method: str = "rtn"
@@ -48,6 +52,8 @@ class QuantizeOptions:
     accuracy_level: int = 4
     calibration_tokens: int = 512
     seed: int = 0
+    act_order: bool = False
+    int8_fraction: float = 0.0
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -70,6 +76,10 @@ class QuantizeOptions:
              f"--calibration-tokens: expected an integer in 16..1000000, got {self.calibration_tokens!r}")
         need(not self.int8_layers or self.bits == 4,
              "--int8-layers: only with --bits 4 (every layer is int8 already)")
+        need(isinstance(self.int8_fraction, int | float) and 0.0 <= self.int8_fraction <= 1.0,
+             f"--int8-fraction: expected a number in 0..1, got {self.int8_fraction!r}")
+        need(self.int8_fraction == 0.0 or self.bits == 4, "--int8-fraction: only with --bits 4")
+        need(not self.act_order or self.method == "gptq", "--act-order: only with --method gptq")
         for pattern in self.keep:
             need(isinstance(pattern, str) and pattern != "", "--keep: expected a non-empty pattern")
         if n_layers is not None:
@@ -81,7 +91,7 @@ class QuantizeOptions:
     def group(self) -> int:
         if self.group_size is not None:
             return self.group_size
-        return 32 if self.bits == 4 else 0
+        return 32 if self.bits == 4 else INT8_GROUP
 
     def _spec(self, scheme: Scheme) -> QuantSpec:
         # awq is the mse search, made activation-aware by the plan's act_scales
@@ -91,8 +101,13 @@ class QuantizeOptions:
         return self._spec(Scheme(self.bits, self.group, self.symmetric))
 
     def int8_spec(self) -> QuantSpec:
-        """Per-channel int8: the lm_head, the embedding table (per row) and `--int8-layers`."""
+        """Per-channel int8: the embedding table of its own (per row)."""
         return self._spec(Scheme(8, 0, self.symmetric))
+
+    def promoted_spec(self) -> QuantSpec:
+        """int8 for the lm_head, `--int8-layers` and `--int8-fraction` weights: --bits 8's group (its default
+        with --bits 4)."""
+        return self._spec(Scheme(8, self.group if self.bits == 8 else INT8_GROUP, self.symmetric))
 
     @property
     def head(self) -> str:
@@ -108,13 +123,15 @@ class QuantizeOptions:
         if self.head == "fp32":
             return None
         if self.head == "int8":
-            return self.int8_spec()
+            return self.promoted_spec()
         return self._spec(Scheme(4, self.group or 32, self.symmetric))
 
-    def chooser(self, n_layers: int) -> Chooser:
+    def chooser(self, n_layers: int, promoted: frozenset[str] = frozenset()) -> Chooser:
+        """`promoted`: module paths or initializer names that get int8 (`--int8-fraction`'s choice)."""
         rules: list[tuple[str, QuantSpec | None]] = [(p, None) for p in self.keep]
         rules.append(("lm_head", self.lm_head_spec()))
-        rules += [(f"layers.{i % n_layers}.*", self.int8_spec()) for i in self.int8_layers]
+        rules += [(f"layers.{i % n_layers}.*", self.promoted_spec()) for i in self.int8_layers]
+        rules += [(name, self.promoted_spec()) for name in sorted(promoted)]
         embed = self.int8_spec() if self.embeddings == "int8" else None
         inner = by_pattern(self.linear_spec(), rules, embed=embed, embed_pattern="embed")
 
@@ -122,9 +139,15 @@ class QuantizeOptions:
             return inner(logical_site(site))
         return choose
 
-    def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None) -> QuantPlan:
-        return QuantPlan(self.chooser(n_layers), self.format, self.accuracy_level, dict(act_scales or {}),
-                         tight_channel_blocks=True)
+    def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,
+             hessians: Mapping[str, np.ndarray] | None = None, promoted: frozenset[str] = frozenset()) -> QuantPlan:
+        return QuantPlan(self.chooser(n_layers, promoted), self.format, self.accuracy_level, dict(act_scales or {}),
+                         dict(hessians or {}), self.act_order, tight_channel_blocks=True)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration (activation scales, Hessians)."""
+        return self.method in ("awq", "gptq") or self.int8_fraction > 0
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -6,6 +6,10 @@ graphs: `quantize` memoises by (name, spec, content), so the prefill and decode 
 tied table read by two graphs - are quantized once and packed into byte-identical initializers (which a
 content-keyed data file then stores once).
 
+GPTQ: a `gptq` spec whose weight has a calibration Hessian in `hessians` is rounded by gptq.py (error
+compensation, group scales by the diag(H)-weighted clip search); without one (a Gather, a weight the
+calibration did not see) it falls back to the activation-weighted `mse` search.
+
 Activation-aware ("awq" in reports): a `mse` spec whose weight has calibration scales in `act_scales`
 minimises the activation-weighted error ||(W - Wq) * mean|x| ||^2 instead of the plain one.
 """
@@ -21,6 +25,7 @@ import numpy as np
 
 from edgellm.runtime.errors import need
 
+from .gptq import gptq_quantize
 from .methods import QuantSpec, quantize_weight
 from .schemes import (
     NBitsArrays,
@@ -71,6 +76,8 @@ class QuantPlan:
     format: str = "fast"
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL              # MatMulNBits attribute (fast format)
     act_scales: Mapping[str, np.ndarray] = field(default_factory=dict)   # initializer name -> [K], for mse
+    hessians: Mapping[str, np.ndarray] = field(default_factory=dict)     # initializer name -> X^T X [K, K]
+    act_order: bool = False                                              # GPTQ column order (gptq.py)
     # per-channel weights in MatMulNBits: False = blocks of 256 (`expand_per_channel`'s default), True =
     # `channel_block(K)`, which never pads K by more than a block of 16..256 chosen for the fewest bytes
     tight_channel_blocks: bool = False
@@ -88,16 +95,28 @@ class QuantPlan:
         """Quantize w [N, K] (canonical) once per (name, spec, act-awareness, content); later calls with the
         same weight return the very same arrays."""
         act = self.act_scale(site)
+        h = self.hessian(site, spec)
         digest = hashlib.sha256(memoryview(np.ascontiguousarray(w)).cast("B")).hexdigest()
-        key = (site.name, spec, act is not None, w.shape, digest)
+        key = (site.name, spec, act is not None, h is not None, w.shape, digest)
         hit = self.memo.get(key)
         if hit is None:
-            qw = quantize_weight(w, spec.scheme, spec.method, act)
+            if h is not None:
+                qw = gptq_quantize(w, h, spec.scheme, self.act_order)
+            else:
+                qw = quantize_weight(w, spec.scheme, "mse" if spec.method == "gptq" else spec.method, act)
             hit = self.memo[key] = (qw, quant_error(w, qw))
         return hit
 
+    def hessian(self, site: WeightSite, spec: QuantSpec) -> np.ndarray | None:
+        """The calibration Hessian [K, K] a `gptq` spec rounds a matmul weight against, if there is one."""
+        if spec.method != "gptq" or site.op == "Gather":
+            return None
+        return self.hessians.get(site.name)
+
     def label(self, site: WeightSite, spec: QuantSpec) -> str:
-        """The report's scheme label; an act-weighted `mse` search reads "awq"."""
+        """The report's scheme label; an act-weighted `mse` search reads "awq"; gptq without a Hessian "mse"."""
+        if spec.method == "gptq":
+            return spec.label if self.hessian(site, spec) is not None else f"{spec.scheme.label}-mse"
         if spec.method == "mse" and self.act_scale(site) is not None:
             return f"{spec.scheme.label}-awq"
         return spec.label

@@ -59,9 +59,13 @@ class ExportRunner:
     """Sessions for the prefill variant of every graph of one export directory."""
 
     def __init__(self, directory: Path, manifest: Manifest, capture: bool = False,
-                 config: SessionConfig | None = None, sample_every: int = 0, sample_rows: int = 0) -> None:
+                 config: SessionConfig | None = None, sample_every: int = 0, sample_rows: int = 0,
+                 hessians: bool = False) -> None:
         """`capture`: accumulate mean |x| of every weight's input; with `sample_rows`, also keep up to that
-        many input rows per weight, every `sample_every`-th real row (AWQ's scale search)."""
+        many input rows per weight, every `sample_every`-th real row (AWQ's scale search); with `hessians`,
+        also sum x^T x [K, K] over every real row (GPTQ), once per activation shared by several weights."""
+        self.hessian_sums: dict[str, np.ndarray] | None = {} if hessians else None   # activation -> X^T X
+        self.hessian_of: dict[str, str] = {}                                         # weight -> activation
         self.manifest, self.seq = manifest, manifest.prefill_chunk
         self.sample_every, self.sample_rows = max(sample_every, 1), sample_rows
         self.samples: dict[str, list[np.ndarray]] = {}
@@ -112,12 +116,20 @@ class ExportRunner:
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
         out = graph.run(feeds | selector_feeds(spec.selector, key[2]))
+        summed: set[str] = set()
         for weight, act in graph.weights.items():
             x = out[act]
             x = x.reshape(-1, x.shape[-1])
             x = x[:count]                                           # [S, K]: only the real rows
             self.abs_sum[weight] = self.abs_sum.get(weight, 0.0) + np.abs(x).sum(axis=0, dtype=np.float64)
             self.rows[weight] = self.rows.get(weight, 0) + x.shape[0]
+            if self.hessian_sums is not None:
+                hkey = f"{key[0]}.{key[1]}/{act}"      # graph-unique: each layer names its inputs alike
+                self.hessian_of[weight] = hkey
+                if hkey not in summed:                 # once per activation and run
+                    summed.add(hkey)
+                    xf = x.astype(np.float32)
+                    self.hessian_sums[hkey] = self.hessian_sums.get(hkey, 0.0) + xf.T @ xf
             if self.sample_rows and x.shape[0] == count:
                 keep = x[(self._seen + np.arange(count)) % self.sample_every == 0]
                 got = self.samples.setdefault(weight, [])
@@ -129,6 +141,11 @@ class ExportRunner:
     def sampled(self) -> dict[str, np.ndarray]:
         """Kept input rows [R, K] float32 of every weight (see `sample_rows`)."""
         return {w: np.concatenate(parts) for w, parts in self.samples.items() if parts}
+
+    def hessians(self) -> dict[str, np.ndarray]:
+        """X^T X [K, K] float32 of every weight seen (weights reading one activation share the array)."""
+        sums = self.hessian_sums or {}
+        return {w: sums[a] for w, a in self.hessian_of.items() if a in sums}
 
     def act_scales(self) -> dict[str, np.ndarray]:
         """mean |x| per input channel [K] float32 of every weight seen (a tiny floor keeps dead channels in)."""

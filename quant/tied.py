@@ -2,16 +2,19 @@
 
 A tied export stores the table once, as the head's MatMul weight E^T [D, V], and the embedding reads
 columns of it: `Gather(E^T, ids [S], axis=1) -> [D, S]` (export/graphs.py `_embed_lookup`), a form the
-generic rewrite leaves alone. Here that Gather becomes a lookup in int8 codes:
-  shared   the lm_head is int8 per channel (the embedding's own scheme): the Gather reads the lm_head's
-           very initializers (same names, same bytes), so the data file holds the table once;
-  separate otherwise (lm_head int4 or fp32): a per-row int8 table of its own, 0.26x the fp32 table
-           beside the lm_head's copy (int4 codes are too coarse for rows that are used as is).
+generic rewrite leaves alone. Here that Gather becomes a lookup in the quantized codes:
+  shared   the lm_head is quantized and the format can gather its codes (fast: any bits and block;
+           portable: 8 bits): the Gather reads the lm_head's very initializers (same names, same bytes),
+           so the data file holds the table once and both uses see the same dequantized values;
+  separate otherwise (lm_head fp32, or portable int4: ONNX int4 tensors cannot be gathered by every
+           onnxruntime >= 1.22): a per-row int8 table of its own beside the lm_head's copy.
 Both formats dequantize only the S gathered rows:
-  fast      B [V, nb, bs] uint8 (MatMulNBits layout) --Gather(ids)--> [S, nb, bs] --Cast, -zp, *scale
-            [S, nb, 1]--> Reshape [S, nb*bs] --Slice [:D]--> Transpose --> [D, S]
+  fast      B [V, nb, bs*bits/8] uint8 (MatMulNBits layout) --Gather(ids)--> [S, nb, .] --Cast-->
+            (4 bits: hi = Floor(x / 16), lo = x - 16 hi, interleaved lo first -> [S, nb, bs])
+            --Sub zp, Mul scale [S, nb, 1]--> Reshape [S, nb*bs] --Slice [:D]--> Transpose --> [D, S]
+            (plain ONNX ops, no com.microsoft GatherBlockQuantized: same numerics on every version)
   portable  X [D, V] int8 (DequantizeLinear layout) --Gather(ids, axis=1)--> [D, S]
-            --DequantizeLinear(Gather(scale [V]), Gather(zp)?, axis=1)--> [D, S]
+            --DequantizeLinear(Gather(scale [V] | [nb, V], axis=-1), Gather(zp)?, axis=1 | 0 + block)
 """
 
 from __future__ import annotations
@@ -69,18 +72,34 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
                 d: int) -> tuple[list[onnx.NodeProto], int]:
     arr = plan.nbits(qw)
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
-    nb, bs = arr.b.shape[1], arr.b.shape[2]
+    nb, bs = arr.b.shape[1], arr.block_size
     b, scales = inits.add(f"{base}.q", arr.b), inits.add(f"{base}.scales", arr.scales)
     stored = arr.b.nbytes + arr.scales.nbytes
     axes = inits.add(f"{base}.axes_last", np.array([-1], np.int64))
-    t = {k: f"{out}/{k}" for k in ("q", "qf", "zp", "zpf", "zpu", "c", "s", "su", "r3", "r2", "rows")}
-    nodes = [helper.make_node("Gather", [b, ids], [t["q"]], name=f"{p}/q", axis=0),        # [S, nb, bs] uint8
+    names = ("q", "qf", "zp", "zpf", "zpu", "c", "s", "su", "r3", "r2", "rows", "hi", "hi16", "lo", "loU", "hiU",
+             "pair", "qb")
+    t = {k: f"{out}/{k}" for k in names}
+    nodes = [helper.make_node("Gather", [b, ids], [t["q"]], name=f"{p}/q", axis=0),        # [S, nb, blob] uint8
              helper.make_node("Cast", [t["q"]], [t["qf"]], name=f"{p}/cast", to=TensorProto.FLOAT)]
+    if arr.bits == 4:                      # two codes per byte, low nibble first -> [S, nb, bs] float
+        bs = 2 * arr.b.shape[2]
+        sixteen = inits.add(f"{base}.sixteen", np.array(16.0, np.float32))
+        blocks = inits.add(f"{base}.blocks_shape", np.array([0, nb, bs], np.int64))
+        nodes += [helper.make_node("Div", [t["qf"], sixteen], [t["hi16"]], name=f"{p}/div16"),
+                  helper.make_node("Floor", [t["hi16"]], [t["hi"]], name=f"{p}/hi"),
+                  helper.make_node("Mul", [t["hi"], sixteen], [t["lo"] + "/h"], name=f"{p}/hi_x16"),
+                  helper.make_node("Sub", [t["qf"], t["lo"] + "/h"], [t["lo"]], name=f"{p}/lo"),
+                  helper.make_node("Unsqueeze", [t["lo"], axes], [t["loU"]], name=f"{p}/lo_unsq"),
+                  helper.make_node("Unsqueeze", [t["hi"], axes], [t["hiU"]], name=f"{p}/hi_unsq"),
+                  helper.make_node("Concat", [t["loU"], t["hiU"]], [t["pair"]], name=f"{p}/pair", axis=-1),
+                  helper.make_node("Reshape", [t["pair"], blocks], [t["qb"]], name=f"{p}/codes")]
+        t["qf"] = t["qb"]
     if arr.zero_points is None:
         zero = inits.add(f"{base}.mid", np.array(qw.scheme.mid, np.float32))
-    else:                                                                                  # [V, nb] uint8
-        zp = inits.add(f"{base}.zp", arr.zero_points)
-        stored += arr.zero_points.nbytes
+    else:                                 # [V, nb] uint8 (4 bits: unpacked, the head's packed copy is not read)
+        zps = arr.zero_points if arr.bits == 8 else qw.zero_points
+        zp = inits.add(f"{base}.zp" if arr.bits == 8 else f"{base}.zp_rows", zps)
+        stored += zps.nbytes
         nodes += [helper.make_node("Gather", [zp, ids], [t["zp"]], name=f"{p}/zp", axis=0),
                   helper.make_node("Cast", [t["zp"]], [t["zpf"]], name=f"{p}/zp_cast", to=TensorProto.FLOAT),
                   helper.make_node("Unsqueeze", [t["zpf"], axes], [t["zpu"]], name=f"{p}/zp_unsq")]
@@ -104,19 +123,20 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
 
 def _portable_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str,
                     inits: _Inits) -> tuple[list[onnx.NodeProto], int]:
-    arr = to_dequantize_linear(qw)                         # per-axis: x [D, V], scale [V], zp [V]?
+    arr = to_dequantize_linear(qw)                # x [D, V]; scale, zp? [V] per-axis or [nb, V] block-wise
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     x, scale = inits.add(f"{base}.q", arr.x), inits.add(f"{base}.scale", arr.scale)
     stored = arr.x.nbytes + arr.scale.nbytes
     nodes = [helper.make_node("Gather", [x, ids], [f"{out}/q"], name=f"{p}/q", axis=1),
-             helper.make_node("Gather", [scale, ids], [f"{out}/scale"], name=f"{p}/scale", axis=0)]
+             helper.make_node("Gather", [scale, ids], [f"{out}/scale"], name=f"{p}/scale", axis=arr.scale.ndim - 1)]
     dq_in = [f"{out}/q", f"{out}/scale"]
     if arr.zero_point is not None:
         zp = inits.add(f"{base}.zp", arr.zero_point)
         stored += arr.zero_point.nbytes
-        nodes.append(helper.make_node("Gather", [zp, ids], [f"{out}/zp"], name=f"{p}/zp", axis=0))
+        nodes.append(helper.make_node("Gather", [zp, ids], [f"{out}/zp"], name=f"{p}/zp", axis=arr.scale.ndim - 1))
         dq_in.append(f"{out}/zp")
-    nodes.append(helper.make_node("DequantizeLinear", dq_in, [out], name=f"{p}/dequant", axis=1))
+    block = {"axis": 0, "block_size": arr.block_size} if arr.block_size else {"axis": 1}
+    nodes.append(helper.make_node("DequantizeLinear", dq_in, [out], name=f"{p}/dequant", **block))
     return nodes, stored
 
 
@@ -139,11 +159,11 @@ def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[Weigh
         if spec is None:
             reports.append(WeightReport(name, module, "Gather", w.shape, "fp32", w.nbytes, w.nbytes, 0.0, 0.0))
             continue
-        need(spec.scheme.bits == 8 and spec.scheme.block_size == 0,
-             f"embedding {name}: only int8 per-row is supported, got {spec.scheme.label}")
         head = WeightSite(name, "MatMul", "", module, w.shape)
         head_spec = plan.choose(head)
-        shared = head_spec is not None and head_spec.scheme == spec.scheme
+        shared = head_spec is not None and (plan.format == "fast" or head_spec.scheme.bits == 8)
+        need(shared or (spec.scheme.bits == 8 and spec.scheme.block_size == 0),
+             f"embedding {name}: only int8 per-row is supported for a table of its own, got {spec.scheme.label}")
         use_site, use_spec = (head, head_spec) if shared and head_spec is not None else (site, spec)
         qw, err = plan.quantize(use_site, w, use_spec)
         base = name if shared else f"{name}.rows"
@@ -160,7 +180,10 @@ def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[Weigh
         graph.ClearField("node")
         graph.node.extend(nodes)
         if any(n.op_type == "DequantizeLinear" for n in nodes):
-            _require_opset(model, 13)
+            blocked = any(a.name == "block_size" for n in nodes if n.op_type == "DequantizeLinear" for a in n.attribute)
+            _require_opset(model, 21 if blocked else 13)
+            if blocked:
+                model.ir_version = max(model.ir_version, 10)
     return reports
 
 

@@ -217,18 +217,17 @@ def test_mixed_precision_flags_reach_the_graphs(tied, tmp_path) -> None:
     assert w["lm_head.weight"]["bits"] == 4 and w["embed.weight"]["bits"] == 32
     got, _ = generate(out, PROMPT, 0)
     assert quality(got, torch_logits(model, PROMPT))[0] < BOUNDS[4][0]
-    # --bits 4's default lm_head is int4 (group 32); int4 lm_head + int8 embeddings cannot share: a separate
-    # int8 row table in embed.data
-    out = quantize(src, tmp_path / "separate", bits=4)
+    # --bits 4's default lm_head is int4 (group 32); the tied lookup reads the lm_head's int4 table itself
+    # (quant/tied.py): one copy, in head.data
+    out = quantize(src, tmp_path / "shared4", bits=4)
     assert ops(out / "head.decode.onnx")["MatMulNBits"] == [4]
     head = read_manifest(out).quantization["weights"]["lm_head.weight"]
     assert (head["bits"], head["block_size"]) == (4, 32)
     assert read_manifest(out).quantization["options"]["lm_head"] == "int4"
-    assert sorted(ops(out / "embed.decode.onnx")["Gather"]) == [onnx.TensorProto.FLOAT, onnx.TensorProto.UINT8]
-    embed = onnx.load(out / "embed.decode.onnx", load_external_data=False)          # codes + row scales
-    assert "embed.weight" not in {t.name for t in embed.graph.initializer}
+    assert ops(out / "embed.decode.onnx")["Gather"] == [onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT]  # codes, scales
+    assert read_manifest(out).graph("embed", 1).data == "head.data"
     e = read_manifest(out).quantization["weights"]["embed.weight"]
-    assert "shared_with" not in e and e["bytes_after"] == 256 * 64 + 256 * 4
+    assert e["shared_with"] == "lm_head" and e["bytes_after"] == 0
     got, _ = generate(out, PROMPT, 0)
     assert quality(got, torch_logits(model, PROMPT))[0] < BOUNDS[4][0]
 
@@ -293,7 +292,7 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["weight", "scheme", "MB"] and lines[1].startswith("embed.weight")
-    assert any(line.startswith("layers.0.attn.qkv.weight") and "int8-ch-sym-rtn" in line for line in lines)
+    assert any(line.startswith("layers.0.attn.qkv.weight") and "int8-g64-sym-rtn" in line for line in lines)
     assert any(line.startswith("lm_head.weight") and " fp32 " in line for line in lines)
     assert any(line.startswith("total") for line in lines) and "export size:" in out and "check vs fp32" in out
     doc = json.loads((tmp_path / "q" / "manifest.json").read_text())
@@ -307,7 +306,7 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
 
 @pytest.mark.parametrize(("args", "flag"), [
     (["--bits", "3"], "--bits"), (["--bits", "four"], "--bits"), (["--bits", "4", "--group-size", "48"], "--group-size"),
-    (["--bits", "4", "--embeddings", "int4"], "--embeddings"), (["--bits", "4", "--method", "gptq"], "--method"),
+    (["--bits", "4", "--embeddings", "int4"], "--embeddings"), (["--bits", "4", "--method", "obq"], "--method"),
     (["--bits", "4", "--format", "qdq"], "--format"), (["--bits", "8", "--int8-layers", "0"], "--int8-layers"),
     (["--bits", "4", "--int8-layers", "2"], "--int8-layers"), (["--bits", "4", "--keep", "layer.0.*"], "--keep"),
     (["--bits", "4", "--accuracy-level", "2"], "--accuracy-level"),

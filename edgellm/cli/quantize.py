@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
     p.add_argument("--group-size", default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
-                        "scale per output channel (default: 32 for --bits 4, 0 for --bits 8)")
+                        "scale per output channel (default: 32 for --bits 4, 64 for --bits 8)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
                      help="zero point fixed at the middle code (default)")
@@ -33,26 +33,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="fast", metavar="{fast,portable}",
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
-    p.add_argument("--method", default="rtn", metavar="{rtn,mse,awq}",
+    p.add_argument("--method", default="rtn", metavar="{rtn,mse,awq,gptq}",
                    help="rtn: round to nearest (default); mse: per-group clip search for the least squared "
                         "error; awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
-                        "on text it samples itself (int4)")
+                        "on text it samples itself (int4); gptq: GPTQ's error-compensating rounding against each "
+                        "linear's Hessian from the same calibration activations")
     p.add_argument("--embeddings", default="int8", metavar="{int8,fp32}", help="int8 (per row, default) or fp32")
     p.add_argument("--lm-head", default=None, metavar="{int8,int4,fp32}",
-                   help="int8 (per channel), int4 (--group-size groups) or fp32; default: as --bits (int4 decodes "
+                   help="int8 (groups of 64), int4 (--group-size groups) or fp32; default: as --bits (int4 decodes "
                         "~10%% faster, int8 halves the int4 model's KL). A tied int8 lm_head and int8 embeddings "
                         "share one table")
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
     p.add_argument("--int8-layers", default=None, metavar="LIST",
-                   help="with --bits 4: these layers' linears int8 per channel, e.g. 0,-1 (first and last)")
+                   help="with --bits 4: these layers' linears int8 (groups of 64), e.g. 0,-1 (first and last)")
     p.add_argument("--accuracy-level", default="4", metavar="{0,1,4}",
                    help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
                         "0/1 = fp32 activations")
     p.add_argument("--calibration-tokens", default="512", metavar="N",
-                   help="tokens the fp32 export samples for --method awq (default 512)")
+                   help="tokens the fp32 export samples for --method awq/gptq and --int8-fraction (default 512)")
+    p.add_argument("--act-order", action="store_true",
+                   help="--method gptq: quantize columns in order of decreasing activation energy")
+    p.add_argument("--int8-fraction", default="0", metavar="F",
+                   help="--bits 4: about this fraction of the linears' weights int8, the most sensitive ones as "
+                        "measured on calibration data (default 0)")
+    p.add_argument("--kl-budget", default=None, metavar="X",
+                   help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
+                        "settings from small to large; --bits picks the method's ladder start)")
     p.add_argument("--seed", default="0", metavar="N", help="seed of the sampled calibration/check text (default 0)")
     p.add_argument("--no-check", action="store_true", help="skip the logits check against the fp32 export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -64,6 +73,13 @@ def _int(flag: str, text: str) -> int:
         return int(text)
     except ValueError:
         raise EdgeError(f"{flag}: expected an integer, got {text!r}") from None
+
+
+def _float(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise EdgeError(f"{flag}: expected a number, got {text!r}") from None
 
 
 def _layers(text: str | None) -> tuple[int, ...]:
@@ -83,7 +99,8 @@ def options_from_args(args: argparse.Namespace):
         symmetric=args.symmetric, format=args.format, method=args.method, embeddings=args.embeddings,
         lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=_layers(args.int8_layers),
         accuracy_level=_int("--accuracy-level", args.accuracy_level),
-        calibration_tokens=_int("--calibration-tokens", args.calibration_tokens), seed=_int("--seed", args.seed))
+        calibration_tokens=_int("--calibration-tokens", args.calibration_tokens), seed=_int("--seed", args.seed),
+        act_order=args.act_order, int8_fraction=_float("--int8-fraction", args.int8_fraction))
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options
@@ -94,8 +111,15 @@ def run(args: argparse.Namespace) -> int:
     from edgellm.quant.export_dir import quantize_export
     from edgellm.quant.report import weight_table
 
-    result = quantize_export(args.export, args.output, options, check=not args.no_check,
-                             progress=not args.no_progress)
+    if args.kl_budget is not None:
+        need(not args.no_check, "--kl-budget: measures each variant's KL, so it cannot run with --no-check")
+        from edgellm.quant.budget import smallest_within
+
+        result, _ = smallest_within(args.export, args.output, options, _float("--kl-budget", args.kl_budget),
+                                    progress=not args.no_progress)
+    else:
+        result = quantize_export(args.export, args.output, options, check=not args.no_check,
+                                 progress=not args.no_progress)
     for line in weight_table(result.weights):
         print(line)
     b, a = result.files_before, result.files_after

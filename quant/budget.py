@@ -1,0 +1,78 @@
+"""`--kl-budget X`: the smallest export whose measured mean KL against the fp32 export stays within X.
+
+The variants form a ladder from small to large (`LADDER`, sizes measured on SmolLM2-135M, docs/benchmarks.md);
+each is quantized with the user's other flags (method, format, symmetry, --keep, ...) on ONE calibration,
+and measured by quantize's own check (KL over CHECK_TOKENS positions the fp32 export samples, export_dir.py).
+The first variant within the budget is kept: the ladder is ordered by size, so it is the smallest of them.
+No variant within the budget: a one-line error naming the best KL reached, and no output is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.manifest import read_manifest
+
+from .calibrate import calibrate
+from .export_dir import QuantizeResult, quantize_export
+from .options import QuantizeOptions
+
+# (label, overrides of QuantizeOptions), smallest first
+LADDER: tuple[tuple[str, dict], ...] = (
+    ("int4-g64, int4 table", dict(bits=4, group_size=64, lm_head="int4", int8_fraction=0.0)),
+    ("int4-g32, int4 table", dict(bits=4, group_size=32, lm_head="int4", int8_fraction=0.0)),
+    ("int4-g32, int8 table", dict(bits=4, group_size=32, lm_head="int8", int8_fraction=0.0)),
+    ("int4-g32, int8 table, 15% int8", dict(bits=4, group_size=32, lm_head="int8", int8_fraction=0.15)),
+    ("int4-g32, int8 table, 35% int8", dict(bits=4, group_size=32, lm_head="int8", int8_fraction=0.35)),
+    ("int8", dict(bits=8, group_size=None, lm_head=None, int8_fraction=0.0, act_order=False)),
+)
+
+
+@dataclass(frozen=True)
+class Tried:
+    label: str
+    bytes: int
+    mean_kl: float
+
+
+def variants(options: QuantizeOptions) -> list[tuple[str, QuantizeOptions]]:
+    """The ladder with the user's other flags; --act-order only where the method is gptq."""
+    out = []
+    for label, change in LADDER:
+        v = dataclasses.replace(options, **change)
+        if v.method != "gptq":
+            v = dataclasses.replace(v, act_order=False)
+        out.append((label, v))
+    return out
+
+
+def smallest_within(src: Path, out: Path, options: QuantizeOptions, budget: float, *, progress: bool = True,
+                    log: Callable[[str], None] = print) -> tuple[QuantizeResult, list[Tried]]:
+    """Quantize the ladder's variants into `out` in order until one's measured KL is <= budget."""
+    need(isinstance(budget, float) and math.isfinite(budget) and budget > 0,
+         f"--kl-budget: expected a positive number, got {budget!r}")
+    ladder = variants(options)
+    for _, v in ladder:
+        v.validate()
+    existed = Path(out).exists()
+    manifest = read_manifest(Path(src))
+    calib = calibrate(Path(src), manifest, options.calibration_tokens, options.seed, hessians=True)
+    tried: list[Tried] = []
+    for label, v in ladder:
+        result = quantize_export(src, out, v, check=True, progress=progress, log=lambda _: None, calibration=calib)
+        assert result.check is not None
+        tried.append(Tried(label, result.files_after, result.check.mean_kl))
+        log(f"--kl-budget {budget:g}: {label}: {result.files_after / 1e6:.2f} MB, mean KL {result.check.mean_kl:.4g}")
+        if result.check.mean_kl <= budget:
+            return result, tried
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+    best = min(tried, key=lambda t: t.mean_kl)
+    raise EdgeError(f"--kl-budget {budget:g}: no variant is within it; the best measured mean KL is "
+                    f"{best.mean_kl:.4g} ({best.label}); raise the budget or keep weights fp32 (--keep)")
