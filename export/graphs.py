@@ -112,7 +112,7 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> lis
              Unit("embed", "embed", None, EmbedGraph(model), lambda x: [model.embed_tokens(x["tokens"])],
                   ("embed.",))]
     units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),
-                   (f"layers.{i}.", "rotary."))
+                   (f"layers.{i}.", "rotary.", "rotary_local."))
               for i in range(n)]
     return units
 

@@ -16,9 +16,9 @@ from typing import Any
 from edgellm.runtime.errors import EdgeError
 
 from .hf_config import hf_to_config
-from .hf_maps import FAMILIES
+from .hf_maps import FAMILIES, NORM_OFFSET
 from .loaded import Loaded
-from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
+from .tensors import TensorSource, add_norm_offset, check_plan, fill_model, materialize, meta_decoder, shapes
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -65,5 +65,7 @@ def load_hf(directory: Path) -> Loaded:
         check_plan(shapes(meta), plan, source, str(directory), ignored)
         model = materialize(meta)
         fill_model(model, plan, source)
+        if hf["model_type"] in NORM_OFFSET:
+            add_norm_offset(model, NORM_OFFSET[hf["model_type"]])
     tokenizer = directory / "tokenizer.json"
     return Loaded(model.eval(), cfg, tokenizer if tokenizer.is_file() else None, "hf")

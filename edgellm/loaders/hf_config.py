@@ -22,7 +22,10 @@ from typing import Any
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import EdgeError, need
 
-PRESETS = {"llama": "llama2", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "minicpm": "minicpm4"}
+from .hf_gemma3 import gemma3_fields
+
+PRESETS = {"llama": "llama2", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "minicpm": "minicpm4",
+           "gemma3_text": "gemma3"}
 
 
 def _int(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
@@ -126,12 +129,14 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
     """Translate config.json (+ generation_config.json for missing bos/eos); `has_lm_head` settles tying when
     config.json does not say (MiniCPM remote-code configs)."""
     family = hf.get("model_type")
+    need(family != "gemma3", f"{where}: model_type 'gemma3' is the multimodal Gemma 3 (vision + text); edgellm "
+                             "loads the text-only Gemma3ForCausalLM (model_type 'gemma3_text', e.g. Gemma 3 270M/1B)")
     need(family in PRESETS, f"{where}: model_type {family!r} is not supported (expected one of "
          f"{', '.join(PRESETS)})")
     need("quantization_config" not in hf, f"{where}: quantized checkpoints are not supported (load the fp16/fp32 "
          f"weights; edgellm quantizes after export)")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    need(act == "silu", f"{where}: hidden_act {act!r} is not supported (expected silu)")
+    need(act == "silu" or family == "gemma3_text", f"{where}: hidden_act {act!r} is not supported (expected silu)")
     need(not hf.get("mlp_bias", False), f"{where}: mlp_bias=true is not supported")
     need(family == "qwen2" or not hf.get("attention_bias", False),
          f"{where}: attention_bias=true (biased o_proj) is not supported for {family}")
@@ -140,7 +145,7 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
     head_dim = hf.get("head_dim") or hf.get("kv_channels") or dim // heads
     need(isinstance(head_dim, int) and head_dim > 0, f"{where}: head_dim must be a positive integer")
     max_pos = _int(hf, "max_position_embeddings", where)
-    window = _sliding_window(hf)
+    window = _sliding_window(hf) if family != "gemma3_text" else None  # gemma3: per-layer windows, exact
     if window is not None:
         need(isinstance(window, int) and window > 0, f"{where}: sliding_window must be a positive integer")
         if window < max_pos:
@@ -159,8 +164,9 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
         hidden_dim=_int(hf, "intermediate_size", where), max_seq_len=max_pos,
         norm_eps=_float(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where), norm_eps_mode="add",
         rope_style="half", qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=tie,
-        **rope_fields(hf, family, head_dim, max_pos, where),
     )
+    fields.update(gemma3_fields(hf, head_dim, max_pos, where, rope_fields) if family == "gemma3_text" else
+                  rope_fields(hf, family, head_dim, max_pos, where))
     for key, field in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
         value = hf.get(key) if hf.get(key) is not None else generation.get(key)
         fields[field] = _token(value, key, where)

@@ -20,8 +20,12 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg, context_len)
+        # sliding-window layers (Gemma 3) have their own RoPE table; no module without them (state dicts unchanged)
+        windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        if any(w is not None for w in windows):
+            self.rotary_local = Rotary(cfg, context_len, local=True)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, self.rotary) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, self.rotary if w is None else self.rotary_local, w) for w in windows)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_eps_mode)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -41,6 +45,8 @@ class Decoder(nn.Module):
     def set_context_len(self, context_len: int) -> None:
         """Build RoPE for this context (LongRoPE picks long or short factors by it)."""
         self.rotary.set_context_len(context_len)
+        if hasattr(self, "rotary_local"):
+            self.rotary_local.set_context_len(context_len)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [B,S] int64 -> hidden [B,S,D] (times scale_emb)."""

@@ -1,0 +1,82 @@
+"""Gemma 3 text (`gemma3_text`, issue 23): seeded transformers Gemma3ForCausalLM models built from configs here
+(odd sizes, GQA, query_pre_attn_scalar != head_dim, sliding layers with a small window beside full ones,
+rope_parameters per layer type) load into edgellm with transformers' logits; exported, the runtime generates
+transformers' greedy tokens well past the window, with window-sized ring caches for the sliding layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgellm.export import ExportOptions, export_model
+from edgellm.loaders import load_checkpoint
+from edgellm.runtime import Generator
+from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.session import SessionConfig
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, WINDOW = 160, 8
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def gemma_config(head_dim: int = 32, **over) -> transformers.Gemma3TextConfig:
+    fields = dict(vocab_size=VOCAB, hidden_size=72, intermediate_size=56, num_hidden_layers=4, num_attention_heads=3,
+                  num_key_value_heads=1, head_dim=head_dim, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                  layer_types=TYPES, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=2,
+                  eos_token_id=1, pad_token_id=0,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+    return transformers.Gemma3TextConfig(**{**fields, **over})
+
+
+def save_gemma(out: Path, seed: int = 0, **over) -> torch.nn.Module:
+    """A seeded Gemma3ForCausalLM saved to `out`: norm weights spread around 0 (gain 1 + w), matrices scaled up
+    so attention is far from uniform and a wrong window, scale or RoPE base shows."""
+    torch.manual_seed(seed)
+    hf = transformers.Gemma3ForCausalLM(gemma_config(**over)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.3)
+            else:
+                p.mul_(2.5)
+    hf.save_pretrained(out)
+    return hf
+
+
+def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_logits_match_transformers(tmp_path, head_dim):
+    hf = save_gemma(tmp_path / "hf", head_dim=head_dim)
+    loaded = load_checkpoint(tmp_path / "hf")
+    cfg = loaded.config
+    assert (cfg.preset, cfg.layer_types, cfg.sliding_window) == ("gemma3", ("sliding", "sliding", "full", "sliding"),
+                                                                  WINDOW)
+    assert cfg.attn_scale == 24 ** -0.5 and cfg.rope_local_theta == 1e4 and cfg.rope_theta == 1e6
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()  # 5 windows
+    want = hf_logits(hf, tokens)
+    with torch.no_grad():
+        got = loaded.model(torch.tensor([tokens]))[0][0].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+def test_refuses_multimodal_and_softcapping(tmp_path):
+    save_gemma(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    import json
+    original = json.loads(cfg_path.read_text())
+    for change, message in (({"model_type": "gemma3"}, "multimodal"),
+                            ({"final_logit_softcapping": 30.0}, "softcapping"),
+                            ({"hidden_activation": "relu"}, "hidden_activation")):
+        cfg_path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(EdgeError, match=message):
+            load_checkpoint(tmp_path / "hf")
