@@ -34,7 +34,8 @@ def state(model: Decoder) -> dict[str, np.ndarray]:
     return {k: v.double().numpy() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+# gemma3 (post-norms, GeGLU, sliding layers) is checked against transformers' Gemma3ForCausalLM (test_gemma3.py)
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "gemma3"])
 def test_forward_matches_independent_reference(preset):
     model = tiny(preset)
     tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
