@@ -67,6 +67,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
+    if options.attention == "fused" and any(cfg.window(i) is not None for i in range(cfg.n_layers)):
+        # GroupQueryAttention writes rows at the filled length of a max_seq cache: no ring (docs/design.md)
+        log("sliding-window layers: exporting with --attention standard (traced layers, ring KV caches of "
+            f"{cfg.sliding_window} rows for the sliding layers)")
+        options = replace(options, attention="standard")
     attention = attention_record(cfg, options.attention, options.granularity)
     # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
     padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
@@ -131,7 +136,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
-        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim)
+        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim,
+        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None)
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         manifest = _add_stack(partial, manifest, options.seed)
 

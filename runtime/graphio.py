@@ -35,9 +35,29 @@ class Dims:
     max_seq: int
     kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
     model_head_dim: int = 0  # the model's head size: the first model_head_dim entries of a cached row are its K/V
+    rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq for every layer
+
+    def layer_rows(self, layer: int) -> int:
+        """Rows of `layer`'s cache: max_seq, or fewer for a sliding-window layer (a ring, runtime/kvcache.py)."""
+        return self.rows[layer] if self.rows else self.max_seq
 
 
 KV_LAYOUTS = ("rows", "inplace")
+
+
+def cache_rows(config: dict, max_seq: int) -> tuple[int, ...]:
+    """Rows of each layer's cache: max_seq, or min(sliding_window, max_seq) for a layer whose `layer_types` entry
+    is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a ring of that many
+    rows (runtime/kvcache.py). Configs without the keys (every manifest before format 8) have full layers only."""
+    n = config.get("n_layers")
+    types, window = config.get("layer_types"), config.get("sliding_window")
+    if types is None or not is_int(n):
+        return ()
+    need(isinstance(types, list) and len(types) == n and all(t in ("full", "sliding") for t in types),
+         f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
+    need("sliding" not in types or (is_int(window) and window > 0),
+         "config.sliding_window: expected a positive integer for sliding layers")
+    return tuple(min(window, max_seq) if t == "sliding" else max_seq for t in types)
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None) -> Dims:
@@ -60,8 +80,11 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
     cache = head_dim if kv_head_dim is None else kv_head_dim
     need(is_int(cache) and head_dim <= cache <= head_dim + 8,  # padding to a multiple of 8 adds 7 at most
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
+    rows = cache_rows(config, max_seq)
+    need(kv_layout == "rows" or all(r == max_seq for r in rows),
+         "kv_layout 'inplace' has no ring caches: sliding-window layers export with kv_layout 'rows'")
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
-                head_dim)
+                head_dim, rows)
 
 
 # A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
@@ -105,7 +128,8 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     layers = [layer] if role == "layer" else list(range(d.n_layers))
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
     first_out = f32("logits", 1, s, d.vocab_size) if role == "model" else f32("hidden_out", 1, s, d.dim)
-    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
+    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.layer_rows(i), d.head_dim) for i in layers
+            for kv in ("key", "value")]
     need(role != "stack" or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
         need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from edgellm.export import ExportOptions, export_model
+from edgellm.export import ExportOptions, export_model
 from edgellm.loaders import load_checkpoint
+from edgellm.runtime import Generator
 from edgellm.runtime import Generator
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest
@@ -80,3 +82,48 @@ def test_refuses_multimodal_and_softcapping(tmp_path):
         cfg_path.write_text(json.dumps({**original, **change}))
         with pytest.raises(EdgeError, match=message):
             load_checkpoint(tmp_path / "hf")
+
+
+OPTIONS = dict(max_seq=64, prefill_chunk=8)
+PROMPT, STEPS = 11, 30  # a full chunk + a padded one, then greedy steps to position 41: five windows of 8
+
+
+def export(tmp: Path, granularity: str = "layer", **over) -> tuple[torch.nn.Module, Path, list[str]]:
+    hf = save_gemma(tmp / "hf", **over)
+    log: list[str] = []
+    loaded = load_checkpoint(tmp / "hf")
+    export_model(loaded.model, tmp / "fp32", ExportOptions(granularity=granularity, **OPTIONS), progress=False,
+                 log=log.append)
+    return hf, tmp / "fp32", log
+
+
+def runtime_greedy(directory: Path, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
+    """The runtime engine: prompt, then STEPS greedy steps; the logits that picked each token and the tokens."""
+    engine = Generator.open(directory, config=SessionConfig(threads=1)).engine
+    rows = [engine.forward(prompt).copy()]
+    generated = []
+    for _ in range(STEPS):
+        generated.append(int(rows[-1].argmax()))
+        rows.append(engine.forward(generated[-1:]).copy())
+    return np.stack(rows), generated
+
+
+def prompt_ids() -> list[int]:
+    return torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.mark.parametrize("granularity", ["layer", pytest.param("model", marks=pytest.mark.slow)])
+def test_export_greedy_matches_transformers_past_the_window(tmp_path, granularity):
+    hf, out, log = export(tmp_path, granularity)
+    m = read_manifest(out)
+    assert m.kv_cache_rows == (WINDOW, WINDOW, 64, WINDOW)  # rings for the sliding layers, max_seq for the full one
+    assert m.kv_layout == "rows" and m.export_options["attention"] == "standard"
+    assert any("sliding-window layers" in line for line in log)
+    layer0 = next(g for g in m.graphs if g.name == ("layer_0.decode" if granularity == "layer" else "model.decode"))
+    assert next(t for t in layer0.inputs if t.name == "past_key.0").shape == (1, 1, WINDOW, 32)
+    got, generated = runtime_greedy(out, prompt_ids())
+    want = hf_logits(hf, prompt_ids() + generated)[PROMPT - 1:]
+    assert got.shape == want.shape == (STEPS + 1, VOCAB)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+    assert want[:-1].argmax(-1).tolist() == generated  # transformers' own greedy tokens, 41 positions deep
+    assert len(set(generated)) > 3

@@ -49,7 +49,7 @@ class ExportRunner:
 
     def new_cache(self) -> KVCache:
         m = self.manifest
-        return KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+        return KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
 
     def _session(self, spec: GraphSpec) -> ort.InferenceSession:
         """The runtime's session options (what the board runs), one map of each weight file for all; both
