@@ -145,3 +145,25 @@ def test_quantized_export_runs_past_the_window(tmp_path, bits):
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
     # int8: > 0.99 everywhere; int4 on these sharp random weights (x 2.5): mean ~0.9, min 0.68 measured
     assert cos.min() > (0.6 if bits == 4 else 0.99) and cos.mean() > (0.85 if bits == 4 else 0.99), cos
+
+
+def test_gguf_gemma3_matches_transformers_gguf_load(tmp_path):
+    """A gemma3 GGUF written as llama.cpp's converter writes it (norms stored as 1 + w, SentencePiece vocabulary)
+    loads equal to transformers' own GGUF load: 7 layers so the fixed 5:1 pattern has a full layer, 20 tokens
+    past the window of 8, head_dim 256 (= transformers' default query_pre_attn_scalar, which GGUF does not carry)."""
+    from tests.gguf_helpers import hf_model, reference, spm_vocab, write_gguf
+
+    v = spm_vocab()
+    model = hf_model("gemma3", len(v["tokens"]), num_hidden_layers=7, head_dim=256, sliding_window=WINDOW,
+                     tie_word_embeddings=True, rms_norm_eps=1e-6)
+    path = write_gguf(tmp_path / "g.gguf", model, "gemma3", v)
+    ref, _ = reference(path)
+    loaded = load_checkpoint(path)
+    cfg = loaded.config
+    assert cfg.layer_types == ("sliding",) * 5 + ("full", "sliding") and cfg.sliding_window == WINDOW
+    tokens = torch.randint(3, len(v["tokens"]), (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits
+        got, _ = loaded.model(tokens)
+        assert (model(tokens).logits - want).abs().max().item() <= 1e-4  # the file holds the original model
+    assert (want - got).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
