@@ -67,11 +67,6 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
-    if options.attention == "fused" and any(cfg.window(i) is not None for i in range(cfg.n_layers)):
-        # GroupQueryAttention writes rows at the filled length of a max_seq cache: no ring (docs/design.md)
-        log("sliding-window layers: exporting with --attention standard (traced layers, ring KV caches of "
-            f"{cfg.sliding_window} rows for the sliding layers)")
-        options = replace(options, attention="standard")
     attention = attention_record(cfg, options.attention, options.granularity)
     # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
     padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
@@ -89,7 +84,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
             log(note)
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model, options), log)

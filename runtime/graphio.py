@@ -45,10 +45,12 @@ class Dims:
 KV_LAYOUTS = ("rows", "inplace")
 
 
-def cache_rows(config: dict, max_seq: int) -> tuple[int, ...]:
-    """Rows of each layer's cache: max_seq, or min(sliding_window, max_seq) for a layer whose `layer_types` entry
-    is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a ring of that many
-    rows (runtime/kvcache.py). Configs without the keys (every manifest before format 8) have full layers only."""
+def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
+    """Rows of each layer's cache: max_seq, or min(sliding_window + extra, max_seq) for a layer whose
+    `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
+    ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
+    layers write the chunk's rows before reading the ring (export/fused_ring.py). Configs without the keys
+    (every manifest before format 8) have full layers only."""
     n = config.get("n_layers")
     types, window = config.get("layer_types"), config.get("sliding_window")
     if types is None or not is_int(n):
@@ -57,10 +59,11 @@ def cache_rows(config: dict, max_seq: int) -> tuple[int, ...]:
          f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
     need("sliding" not in types or (is_int(window) and window > 0),
          "config.sliding_window: expected a positive integer for sliding layers")
-    return tuple(min(window, max_seq) if t == "sliding" else max_seq for t in types)
+    return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq for t in types)
 
 
-def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None) -> Dims:
+def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None,
+                     prefill_chunk: int = 1) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -80,9 +83,7 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
     cache = head_dim if kv_head_dim is None else kv_head_dim
     need(is_int(cache) and head_dim <= cache <= head_dim + 8,  # padding to a multiple of 8 adds 7 at most
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
-    rows = cache_rows(config, max_seq)
-    need(kv_layout == "rows" or all(r == max_seq for r in rows),
-         "kv_layout 'inplace' has no ring caches: sliding-window layers export with kv_layout 'rows'")
+    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
                 head_dim, rows)
 

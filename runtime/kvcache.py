@@ -116,7 +116,10 @@ class KVCache:
                       count: int) -> None:
         """`write` from a graph's present_* outputs run with separate buffers: the S new rows themselves (rows),
         or the whole cache the graph returned, whose rows from the current length on are the new ones (inplace)."""
-        if kv_layout == "inplace":
+        if kv_layout == "inplace" and self.ring[layer]:  # the new rows sit at their ring slots
+            slots = np.arange(self.length, self.length + count) % key_out.shape[2]
+            key_out, value_out = key_out[:, :, slots, :], value_out[:, :, slots, :]
+        elif kv_layout == "inplace":
             key_out, value_out = key_out[:, :, self.length:, :], value_out[:, :, self.length:, :]
         self.write(layer, key_out, value_out, count)
 

@@ -23,9 +23,10 @@ readers accept exactly the versions listed):
      zeros (export/fused.py; a head size GroupQueryAttention refuses): [1, n_kv, max_seq, kv_head_dim], the
      model's K/V in the first head_dim entries of a row, zeros after. null: the model's head_dim (versions 1-6).
   8  adds `kv_cache_rows` (a list with each layer's cache rows, or null: max_seq for every layer): a sliding-window
-     layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq) rows as a ring, position p in
-     row p % rows (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal
-     what the config implies (graphio.cache_rows). Versions 1-7 read as null.
+     layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq) rows as a ring ("rows"
+     layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in row p % rows
+     (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what the
+     config implies (graphio.cache_rows). Versions 1-7 read as null.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -109,7 +110,7 @@ class Manifest:
     @cached_property
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
-        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim)
+        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk)
 
     @property
     def n_layers(self) -> int:

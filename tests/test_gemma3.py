@@ -88,12 +88,13 @@ OPTIONS = dict(max_seq=64, prefill_chunk=8)
 PROMPT, STEPS = 11, 30  # a full chunk + a padded one, then greedy steps to position 41: five windows of 8
 
 
-def export(tmp: Path, granularity: str = "layer", **over) -> tuple[torch.nn.Module, Path, list[str]]:
+def export(tmp: Path, granularity: str = "layer", attention: str = "fused",
+           **over) -> tuple[torch.nn.Module, Path, list[str]]:
     hf = save_gemma(tmp / "hf", **over)
     log: list[str] = []
     loaded = load_checkpoint(tmp / "hf")
-    export_model(loaded.model, tmp / "fp32", ExportOptions(granularity=granularity, **OPTIONS), progress=False,
-                 log=log.append)
+    export_model(loaded.model, tmp / "fp32", ExportOptions(granularity=granularity, attention=attention, **OPTIONS),
+                 progress=False, log=log.append)
     return hf, tmp / "fp32", log
 
 
@@ -112,15 +113,19 @@ def prompt_ids() -> list[int]:
     return torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-@pytest.mark.parametrize("granularity", ["layer", pytest.param("model", marks=pytest.mark.slow)])
-def test_export_greedy_matches_transformers_past_the_window(tmp_path, granularity):
-    hf, out, log = export(tmp_path, granularity)
+@pytest.mark.parametrize(("granularity", "attention"), [
+    ("layer", "fused"), ("layer", "standard"), pytest.param("model", "standard", marks=pytest.mark.slow)])
+def test_export_greedy_matches_transformers_past_the_window(tmp_path, granularity, attention):
+    """Sliding layers keep rings: window rows (traced layers: the runtime writes after the graph read), or window
+    + prefill_chunk - 1 (fused layers write the chunk in place before reading); the full layer max_seq rows."""
+    hf, out, log = export(tmp_path, granularity, attention)
     m = read_manifest(out)
-    assert m.kv_cache_rows == (WINDOW, WINDOW, 64, WINDOW)  # rings for the sliding layers, max_seq for the full one
-    assert m.kv_layout == "rows" and m.export_options["attention"] == "standard"
-    assert any("sliding-window layers" in line for line in log)
+    ring = WINDOW + (OPTIONS["prefill_chunk"] - 1 if attention == "fused" else 0)
+    assert m.kv_cache_rows == (ring, ring, 64, ring)
+    assert m.kv_layout == ("inplace" if attention == "fused" else "rows") and m.has_stack == (attention == "fused")
+    assert ("ring cache" in m.export_options["attention_impl"]) == (attention == "fused")
     layer0 = next(g for g in m.graphs if g.name == ("layer_0.decode" if granularity == "layer" else "model.decode"))
-    assert next(t for t in layer0.inputs if t.name == "past_key.0").shape == (1, 1, WINDOW, 32)
+    assert next(t for t in layer0.inputs if t.name == "past_key.0").shape == (1, 1, ring, 32)
     got, generated = runtime_greedy(out, prompt_ids())
     want = hf_logits(hf, prompt_ids() + generated)[PROMPT - 1:]
     assert got.shape == want.shape == (STEPS + 1, VOCAB)
