@@ -172,3 +172,33 @@ def test_gguf_gemma3_matches_transformers_gguf_load(tmp_path):
         got, _ = loaded.model(tokens)
         assert (model(tokens).logits - want).abs().max().item() <= 1e-4  # the file holds the original model
     assert (want - got).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_info_and_ring_rewind(tmp_path, capsys):
+    """`edgellm info` reports the ring caches; a ring cache rewinds only to 0 or its length, and chat feeds the
+    whole conversation again (the generator falls back to 0)."""
+    from edgellm.cli import main
+    from edgellm.runtime.kvcache import KVCache
+
+    _, out, _ = export(tmp_path)
+    assert main(["info", str(out)]) == 0
+    assert "3 sliding-window layers keep rings of 15 rows" in capsys.readouterr().out
+    cache = KVCache(2, 1, 64, 4, rows=(8, 64))
+    cache.advance(20)
+    assert cache.can_rewind(20) and cache.can_rewind(0) and not cache.can_rewind(12)
+    with pytest.raises(EdgeError, match="ring caches"):
+        cache.rewind(12)
+    assert KVCache(2, 1, 64, 4).can_rewind(12)  # full-length caches rewind anywhere
+
+
+def test_write_ring_keeps_the_last_rows_at_their_slots():
+    """write_ring puts position p in row p % R; chunks longer than the ring keep their last R positions."""
+    from edgellm.runtime.kvcache import write_ring
+
+    ring = np.full((1, 1, 5, 1), -1.0, np.float32)
+    start = 0
+    for count in (3, 1, 7, 1, 2):  # 14 positions: values = positions
+        rows = np.arange(start, start + count, dtype=np.float32).reshape(1, 1, count, 1)
+        write_ring(ring, np.concatenate([rows, np.full((1, 1, 2, 1), 99.0, np.float32)], 2), start, count)
+        start += count
+    assert ring[0, 0, :, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 9.0]  # positions 9..13 at p % 5; no padding
