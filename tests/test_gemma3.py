@@ -188,7 +188,9 @@ def test_info_and_ring_rewind(tmp_path, capsys):
     assert cache.can_rewind(20) and cache.can_rewind(0) and not cache.can_rewind(12)
     with pytest.raises(EdgeError, match="ring caches"):
         cache.rewind(12)
-    assert KVCache(2, 1, 64, 4).can_rewind(12)  # full-length caches rewind anywhere
+    full = KVCache(2, 1, 64, 4)
+    full.advance(20)
+    assert full.can_rewind(12)  # full-length caches rewind anywhere
 
 
 def test_write_ring_keeps_the_last_rows_at_their_slots():
@@ -202,3 +204,45 @@ def test_write_ring_keeps_the_last_rows_at_their_slots():
         write_ring(ring, np.concatenate([rows, np.full((1, 1, 2, 1), 99.0, np.float32)], 2), start, count)
         start += count
     assert ring[0, 0, :, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 9.0]  # positions 9..13 at p % 5; no padding
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+                  "else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + "
+                  "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+                  "{% endif %}")
+
+
+def test_chat_on_ring_caches_matches_transformers(tmp_path):
+    """`edgellm export` of a Gemma 3 directory with a tokenizer and a Gemma-style chat template; chat turns on the
+    ring caches (prompts of 80+ tokens, 10 windows) give transformers' greedy tokens; a follow-up turn continues
+    the cache, an edited conversation (which would need a rewind the rings cannot do) is fed whole; both equal a
+    fresh generator."""
+    import json
+    import shutil
+
+    from edgellm.cli import main
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+    from tests.test_chat import chat_tokenizer
+
+    hf = save_gemma(tmp_path / "hf", vocab_size=272, bos_token_id=3, eos_token_id=2)
+    chat_tokenizer(tmp_path / "tok.json")
+    shutil.copy(tmp_path / "tok.json", tmp_path / "hf" / "tokenizer.json")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": GEMMA_TEMPLATE}))
+    assert main(["export", str(tmp_path / "hf"), "-o", str(tmp_path / "exp"), "--max-seq", "256",
+                 "--prefill-chunk", "8", "--no-progress"]) == 0
+    greedy, stop = SamplingParams(temperature=0), StopParams(6, seed=0)
+    gen = Generator.open(tmp_path / "exp", threads=1)
+    turn = [{"role": "user", "content": "Hi there, what is 2+2?"}]
+    first = list(gen.chat(turn, greedy, stop))[-1]
+    ids = gen.chat_ids(turn)
+    assert ids[0] == 3 and len(ids) > 4 * WINDOW
+    want = hf_logits(hf, ids + first.token_ids)[len(ids) - 1:-1].argmax(-1).tolist()
+    assert first.token_ids == want and len(first.token_ids) == 6
+    messages = turn + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3+3?"}]
+    second = list(gen.chat(messages, greedy, stop))[-1]  # continues the cache: nothing to rewind
+    assert second.timings.prompt_tokens == len(gen.chat_ids(messages)) - len(ids) - 5
+    fresh = lambda m: list(Generator.open(tmp_path / "exp", threads=1).chat(m, greedy, stop))[-1]  # noqa: E731
+    assert second.token_ids == fresh(messages).token_ids
+    edited = [{"role": "user", "content": "Hi there"}] + messages[1:]  # an earlier turn changed: rings cannot rewind
+    third = list(gen.chat(edited, greedy, stop))[-1]
+    assert third.timings.prompt_tokens == len(gen.chat_ids(edited)) and third.token_ids == fresh(edited).token_ids

@@ -146,7 +146,7 @@ def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
 
 
 def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
-    """Format 8's kv_cache_rows: a sliding-window layer's cache is a ring of min(window, max_seq) rows, its graph
+    """Format 8's kv_cache_rows: a sliding-window layer's cache is a ring of min(window, max_seq) rows ("rows"), its graph
     I/O that size; the list must be what the config implies; a format-7 manifest reads as null (max_seq rows)."""
     sliding = {**CONFIG, "layer_types": ["sliding", "full"], "sliding_window": 6}
     written = make_export(tmp_path / "ring", config=sliding)
@@ -158,8 +158,9 @@ def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
     rejects(tmp_path / "ring", r"kv_cache_rows: expected \[6, 16\]")
     edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=[8, 16]))
     rejects(tmp_path / "ring", r"kv_cache_rows: expected \[6, 16\]")
+    # fused layers write a chunk before reading the ring: window + prefill_chunk - 1 rows
     edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=[6, 16], kv_layout="inplace"))
-    rejects(tmp_path / "ring", "kv_layout 'inplace' has no ring caches")
+    rejects(tmp_path / "ring", r"kv_cache_rows: expected \[9, 16\]")
     make_export(tmp_path / "v7")
     edit(tmp_path / "v7", lambda d: (d.update(format_version=7), d.pop("kv_cache_rows")))
     assert read_manifest(tmp_path / "v7").kv_cache_rows is None

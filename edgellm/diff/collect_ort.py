@@ -109,8 +109,9 @@ class ExportRunner:
         cache.write_present(i, self.manifest.kv_layout, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
         if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd] (zero padding dropped)
             hd = self.manifest.model_head_dim
-            capture["keys"][i].append(cache.keys[i][0, :, start:start + count, :hd].copy())
-            capture["values"][i].append(cache.values[i][0, :, start:start + count, :hd].copy())
+            rows = np.arange(start, start + count) % cache.keys[i].shape[2]  # a ring's slots (linear: the rows)
+            capture["keys"][i].append(cache.keys[i][0, :, rows, :hd])
+            capture["values"][i].append(cache.values[i][0, :, rows, :hd])
 
 
 def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:
