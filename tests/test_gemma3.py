@@ -246,3 +246,9 @@ def test_chat_on_ring_caches_matches_transformers(tmp_path):
     edited = [{"role": "user", "content": "Hi there"}] + messages[1:]  # an earlier turn changed: rings cannot rewind
     third = list(gen.chat(edited, greedy, stop))[-1]
     assert third.timings.prompt_tokens == len(gen.chat_ids(edited)) and third.token_ids == fresh(edited).token_ids
+    # and `edgellm diff` against the checkpoint: 48 tokens through ring caches, per-layer K/V rows included
+    assert main(["diff", str(tmp_path / "hf"), str(tmp_path / "exp"), "-o", str(tmp_path / "r"), "--tokens", "48",
+                 "--prompts", "1", "--continuation", "24", "--quiet", "--fail-if", "top1<0.99"]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    layers = report["variants"][0]["per_layer"]["layers"]
+    assert max(layer[kv]["max_abs"] for layer in layers for kv in ("key", "value")) < 1e-3

@@ -110,8 +110,8 @@ class ExportRunner:
         if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd] (zero padding dropped)
             hd = self.manifest.model_head_dim
             rows = np.arange(start, start + count) % cache.keys[i].shape[2]  # a ring's slots (linear: the rows)
-            capture["keys"][i].append(cache.keys[i][0, :, rows, :hd])
-            capture["values"][i].append(cache.values[i][0, :, rows, :hd])
+            capture["keys"][i].append(cache.keys[i][0][:, rows, :hd])  # [n_kv, count, hd]
+            capture["values"][i].append(cache.values[i][0][:, rows, :hd])
 
 
 def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:
