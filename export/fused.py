@@ -23,6 +23,9 @@ Everything the seeds scale is folded into tables or weights, so no preset adds o
 Head sizes (issue 21): GroupQueryAttention's RoPE takes hd % 16 == 0 only, so other sizes rotate q and k with
 RotaryEmbedding before it; GroupQueryAttention itself takes hd % 8 == 0 only, so other sizes are zero-padded
 per head to the next multiple of 8 (`cache_head_dim`; the cache rows are that wide, manifest `kv_head_dim`).
+Gemma 3: post-norms are two more RMSNorms (standard ops, fused on load), GeGLU is FastGelu (the tanh
+approximation) * up, the softmax scale is GroupQueryAttention's `scale`; sliding-window layers keep a ring
+cache and attend with standard ops (fused_ring.py), full layers keep GroupQueryAttention.
 The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
 (rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
 """

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3 and minicpm families.
+"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3, minicpm and gemma3_text
+families (Gemma 3's own fields: hf_gemma3.py).
 
 Every behavioural field is set explicitly (nothing leaks from the preset's small defaults). Policy for
 features edgellm's decoder does not have: anything that would change the numbers is an EdgeError, except

@@ -67,7 +67,8 @@ class Decoder(nn.Module):
                 past_len: Tensor | None = None) -> tuple[Tensor, KV]:
         """tokens [B,S] -> (logits [B,S,V], [(k_new, v_new) [B,KV,S,hd] per layer]).
 
-        `past` holds the static buffers [B,KV,max_seq,hd] of which the first `past_len` [B] rows are filled;
+        `past` holds the static buffers [B,KV,max_seq,hd] of which the first `past_len` [B] rows are filled (a
+        sliding-window layer's may be a ring of fewer rows, runtime/kvcache.py);
         without it attention is causal over these S tokens alone (training, or a one-shot forward).
         """
         b, s = tokens.shape
