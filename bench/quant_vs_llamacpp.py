@@ -39,7 +39,8 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            "int4 awq": ["--bits", "4", "--method", "awq"], "int4 mse": ["--bits", "4", "--method", "mse"],
            # llama.cpp's Q4_0/Q4_K_M keep the tied embedding/output table at Q8_0: the same layout in edgellm
            "int4 head8": ["--bits", "4", "--lm-head", "int8"],
-           "int4 awq head8": ["--bits", "4", "--method", "awq", "--lm-head", "int8"]}
+           "int4 awq head8": ["--bits", "4", "--method", "awq", "--lm-head", "int8"],
+           "int4 gptq head8": ["--bits", "4", "--method", "gptq", "--lm-head", "int8"]}
 SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
 T0 = time.perf_counter()
 

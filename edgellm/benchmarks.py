@@ -147,10 +147,11 @@ def torch_generate(model, prompt: list[int], new_tokens: int, max_seq: int) -> t
     """Greedy decode with `model` over a static cache; (new ids, ttft seconds, first-to-last seconds)."""
     import torch
 
+    from edgellm.runtime.graphio import cache_rows
     from edgellm.runtime.kvcache import KVCache
 
     cfg = model.cfg
-    cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_seq, cfg.hd)
+    cache = KVCache(cfg.n_layers, cfg.n_kv_heads, max_seq, cfg.hd, rows=cache_rows(cfg.to_dict(), max_seq))
     past = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in zip(cache.keys, cache.values, strict=True)]
     ids: list[int] = []
     start = time.perf_counter()

@@ -61,7 +61,7 @@ def onnx_logits(directory: Path, granularity: str, dims: Dims, chunk: int, token
         chunk_ids[0, :count] = tokens[start:start + count]
         ids.append(chunk_ids)
     runner = OneSession(directory)
-    cache = KVCache(dims.n_layers, dims.n_kv_heads, dims.max_seq, dims.head_dim)
+    cache = KVCache(dims.n_layers, dims.n_kv_heads, dims.max_seq, dims.head_dim, rows=dims.rows)
     layout = dims.kv_layout
     if granularity == "model":
         logits = []

@@ -92,7 +92,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
@@ -143,7 +143,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
-        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim)
+        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim,
+        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None)
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)

@@ -23,6 +23,9 @@ Everything the seeds scale is folded into tables or weights, so no preset adds o
 Head sizes (issue 21): GroupQueryAttention's RoPE takes hd % 16 == 0 only, so other sizes rotate q and k with
 RotaryEmbedding before it; GroupQueryAttention itself takes hd % 8 == 0 only, so other sizes are zero-padded
 per head to the next multiple of 8 (`cache_head_dim`; the cache rows are that wide, manifest `kv_head_dim`).
+Gemma 3: post-norms are two more RMSNorms (standard ops, fused on load), GeGLU is FastGelu (the tanh
+approximation) * up, the softmax scale is GroupQueryAttention's `scale`; sliding-window layers keep a ring
+cache and attend with standard ops (fused_ring.py), full layers keep GroupQueryAttention.
 The first RMSNorm is written in standard ops that onnxruntime fuses on load; seed 000's clamped RMSNorm
 (rsqrt(max(ms, eps))) has no fused kernel, so that preset's norms stay plain ops.
 GPT-2 (nanogpt: no RoPE, LayerNorm, GELU, biases): GroupQueryAttention with do_rotary=0 and no cos/sin caches,
@@ -41,6 +44,8 @@ from onnx import TensorProto, helper
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
+
+from .fused_ring import ring_attention
 
 MS = "com.microsoft"
 _DT = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32}
@@ -85,15 +90,17 @@ def _rms_norm(b: _Builder, x: str, weight: str, eps: float, clamp: bool) -> str:
     return b.op("Mul", [b.op("Div", [x, rms])[0], weight])[0]
 
 
-def rope_tables(model: Decoder, max_seq: int) -> tuple[np.ndarray | None, ...]:
+def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.ndarray | None, ...]:
     """(cos, sin, q_scale, k_scale), each [max_seq, hd/2] per frequency (scales None without XPos). Computed
     once per layer for both variants: two torch calls on the same positions are not always bit-identical
     (Qwen2.5-0.5B, rope_theta 1e6, 256 positions: rows 128+ differed by up to 1.5e-4 between calls), and the
-    variants must hold the same constants to merge into one graph (pairing.py)."""
+    variants must hold the same constants to merge into one graph (pairing.py). `local`: the sliding-window
+    layers' table (Gemma 3)."""
     cfg = model.cfg
     if not cfg.rotary:  # absolute positions, added by the embedding: no rotation in the layers
         return None, None, None, None
-    cos, sin, q_scale, k_scale = model.rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
+    rotary = model.rotary_local if local else model.rotary
+    cos, sin, q_scale, k_scale = rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
     def per_freq(t: torch.Tensor | None) -> np.ndarray | None:
         if t is None:
             return None
@@ -136,6 +143,9 @@ def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
         return "standard ONNX ops (traced model graph)"
     if attention == "standard":
         return "standard ONNX ops"
+    if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
+        return ("fused GroupQueryAttention for full layers; sliding-window layers: ring cache written by "
+                "ScatterElements, attention in standard ops")
     if rope_in_gqa(cfg):
         return "fused GroupQueryAttention, RoPE inside"
     hd, pad = cfg.hd, cache_head_dim(cfg)
@@ -159,6 +169,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
+    window = cfg.window(layer)  # a sliding layer attends over its ring cache with standard ops (fused_ring.py)
     h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
     hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs
     need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")
@@ -176,7 +187,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
                                         True)])[0]
     cos, sin, q_scale, k_scale = tables
-    rope_outside = cfg.rotary and not rope_in_gqa(cfg)  # XPos, or a head size GroupQueryAttention's RoPE refuses
+    rope_outside = cfg.rotary and (not rope_in_gqa(cfg) or window is not None)  # XPos, a head size GQA's RoPE refuses, a ring
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
         sizes = b.const(p + "qkv.split", np.array([h * hd, kv * hd, kv * hd], np.int64))
@@ -213,12 +224,21 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     else:  # absolute positions: GroupQueryAttention without rotation or caches
         rope_in, rotary = [], 0
     qkv_in = [q, k, v] if separate else [qkv, "", ""]
-    att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
-                             n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(hd_real ** -0.5),
-                             do_rotary=rotary, rotary_interleaved=interleaved)
-    branch = _branch_scale(block, "ls_attn")
-    o = _pad_heads(_np(block.attn.o.weight) * np.asarray(branch, np.float32)[..., None], hd_real, hd).T  # [H*hd, D]
+    if window is not None:
+        att, new_k, new_v = ring_attention(b, p, q, k, v, past_k, past_v, total_len, h, kv, hd, inputs[3].shape[2],
+                                           window, cfg.scale)
+    else:
+        att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
+                                 n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(cfg.scale),
+                                 do_rotary=rotary, rotary_interleaved=interleaved)
+    # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
+    branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
+    o_scale = np.float32(1.0) if cfg.post_norms else branch
+    o = _pad_heads(_np(block.attn.o.weight) * o_scale[..., None], hd_real, hd).T  # [H*hd, D]
     a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
+    if cfg.post_norms:
+        a = _rms_norm(b, a, b.const(p + "attn_post_norm.weight", _np(block.attn_post_norm.weight) * branch, True),
+                      cfg.norm_eps, clamp)
 
     o_bias = (b.const(p + "attn.o.bias", _np(block.attn.o.bias) * branch, True) if cfg.linear_bias else None)
 
@@ -228,7 +248,11 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         gu = _linear(b, y, block.mlp.gate_up, p + "mlp.gate_up")
         f = cfg.hidden_dim
         gate, up = b.op("Split", [gu, b.const(p + "gate_up.split", np.array([f, f], np.int64))], n_out=2, axis=-1)
-        act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0], up])[0]
+        if cfg.glu_act == "gelu_tanh":  # GeGLU: onnxruntime's FastGelu is the tanh approximation
+            act = b.op("FastGelu", [gate], domain=MS)[0]
+        else:
+            act = b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0]
+        act = b.op("Mul", [act, up])[0]
     else:  # GELU with up's bias inside the activation kernel
         up = b.op("MatMul", [y, b.const(p + "mlp.up.weight", _np(block.mlp.up.weight).T, True)])[0]
         bias = [b.const(p + "mlp.up.bias", _np(block.mlp.up.bias), True)] if cfg.linear_bias else []
@@ -237,9 +261,14 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         else:
             act = b.op("BiasGelu" if bias else "Gelu", [up, *bias], domain=MS)[0]
     branch = _branch_scale(block, "ls_mlp")
-    d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
-    if cfg.linear_bias:
-        d = b.op("Add", [d, b.const(p + "mlp.down.bias", _np(block.mlp.down.bias) * branch, True)])[0]
+    if cfg.post_norms:  # the scale goes after the post-norm (a norm would undo it on the weights)
+        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T, True)])[0]
+        d = _rms_norm(b, d, b.const(p + "mlp_post_norm.weight", _np(block.mlp_post_norm.weight) * branch, True),
+                      cfg.norm_eps, clamp)
+    else:
+        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
+        if cfg.linear_bias:
+            d = b.op("Add", [d, b.const(p + "mlp.down.bias", _np(block.mlp.down.bias) * branch, True)])[0]
     out = b.op("Add", [res, d])[0]
 
     # name the graph outputs: rename the producing nodes' outputs

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from edgellm.model import Decoder
 from edgellm.runtime.graphio import Dims, TensorSpec, graph_io, graph_paths
-from edgellm.runtime.kvcache import write_rows
+from edgellm.runtime.kvcache import write_ring, write_rows
 
 
 def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Tensor:
@@ -129,7 +129,7 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> lis
              Unit("embed", "embed", None, EmbedGraph(model),
                   lambda x: [model.embed_tokens(x["tokens"], x.get("positions"))], ("embed.", "pos_embed.", "pos_table"))]
     units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),
-                   (f"layers.{i}.", "rotary."))
+                   (f"layers.{i}.", "rotary.", "rotary_local."))
               for i in range(n)]
     return units
 
@@ -149,8 +149,9 @@ def _layer_ref(model: Decoder, i: int, kv_layout: str) -> Reference:
                                   past_v[..., :hd], torch.tensor([start]))
         pad = (0, past_k.shape[-1] - hd)
         caches = [past_k.numpy().copy(), past_v.numpy().copy()]
-        write_rows(caches[0], F.pad(k, pad).numpy(), start, s)
-        write_rows(caches[1], F.pad(v, pad).numpy(), start, s)
+        write = write_ring if model.cfg.window(i) is not None else write_rows  # a ring of max_seq rows is linear
+        write(caches[0], F.pad(k, pad).numpy(), start, s)
+        write(caches[1], F.pad(v, pad).numpy(), start, s)
         return [h, *(torch.from_numpy(c) for c in caches)]
     return ref
 

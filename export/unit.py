@@ -44,7 +44,7 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
     data = DataFile(directory, f"{unit.stem}.data", known)
     graphs, ops, matmuls = [], {}, {}
     fused = unit.role == "layer" and dims.kv_layout == "inplace"  # hand-built from fused kernels
-    tables = rope_tables(model, dims.max_seq) if fused else ()
+    tables = rope_tables(model, dims.max_seq, model.cfg.window(unit.layer) is not None) if fused else ()
     try:
         for seq in variant_seqs(options):
             name, file, _, inputs, outputs = unit.graph(seq, dims)

@@ -75,7 +75,8 @@ class ExportRunner:
         for g in manifest.graphs:
             if g.seq == self.seq and g.role != "stack":  # the layer graphs it is made of run instead
                 self.graphs[(g.role, g.layer, g.seq)] = _Graph(self.directory, g.file, capture, self.config)
-        self.cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim)
+        self.cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim,
+                             rows=manifest.dims.rows)
         self.abs_sum: dict[str, np.ndarray] = {}   # weight -> sum over real rows of |x| [K] (float64)
         self.rows: dict[str, int] = {}
 

@@ -102,7 +102,7 @@ class Generator:
         self.directory, self.manifest, self.tokenizer = Path(directory), manifest, tokenizer
         self.chat_template = chat_template
         m = manifest
-        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
         self.clock = RunClock()
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id
@@ -223,6 +223,7 @@ class Generator:
         n = min(len(ids) - 1, len(cached))  # feed at least one token: its logits pick the first new one
         same = np.flatnonzero(cached[:n] != np.asarray(ids[:n], np.int64))
         keep = int(same[0]) if len(same) else n
+        keep = keep if self.cache.can_rewind(keep) else 0  # ring caches (sliding layers) cannot go back
         self.cache.rewind(keep)
         self._carry = []
         return self._run(ids[keep:], sampling, stop, False, start, text)

@@ -38,13 +38,36 @@ class Dims:
     # absolute position embeddings (GPT-2, config pos_embedding learned|sinusoidal, format 8): the embedding reads
     # `positions` [1, S] too (the embed, stack and model graphs), gathering rows of its position table
     embed_positions: bool = False
+    rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq for every layer
+
+    def layer_rows(self, layer: int) -> int:
+        """Rows of `layer`'s cache: max_seq, or fewer for a sliding-window layer (a ring, runtime/kvcache.py)."""
+        return self.rows[layer] if self.rows else self.max_seq
 
 
 KV_LAYOUTS = ("rows", "inplace")
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
 
 
-def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None) -> Dims:
+def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
+    """Rows of each layer's cache: max_seq, or min(sliding_window + extra, max_seq) for a layer whose
+    `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
+    ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
+    layers write the chunk's rows before reading the ring (export/fused_ring.py). Configs without the keys
+    (every manifest before format 8) have full layers only."""
+    n = config.get("n_layers")
+    types, window = config.get("layer_types"), config.get("sliding_window")
+    if types is None or not is_int(n):
+        return ()
+    need(isinstance(types, list) and len(types) == n and all(t in ("full", "sliding") for t in types),
+         f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
+    need("sliding" not in types or (is_int(window) and window > 0),
+         "config.sliding_window: expected a positive integer for sliding layers")
+    return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq for t in types)
+
+
+def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None,
+                     prefill_chunk: int = 1) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -66,8 +89,9 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
     pos = config.get("pos_embedding", "rope")
     need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
+    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
-                head_dim, pos != "rope")
+                head_dim, pos != "rope", rows)
 
 
 # A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
@@ -112,7 +136,8 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     layers = [layer] if role == "layer" else list(range(d.n_layers))
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
     first_out = f32("logits", 1, s, d.vocab_size) if role == "model" else f32("hidden_out", 1, s, d.dim)
-    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.max_seq, d.head_dim) for i in layers for kv in ("key", "value")]
+    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.layer_rows(i), d.head_dim) for i in layers
+            for kv in ("key", "value")]
     need(role != "stack" or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
         need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")

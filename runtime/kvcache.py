@@ -7,6 +7,12 @@ filled rows, and returns only the S rows it computed, `present_key.{i}` / `prese
 the buffers owned by the caller: they are allocated once and written in place here, never copied.
 `write_rows` is the only place new rows enter a cache, for onnxruntime and PyTorch alike.
 
+Sliding-window layers (Gemma 3, manifest format 8 `kv_cache_rows`) keep a ring of R = min(window, max_seq) rows:
+position p lives in row p % R (`write_ring`), so the ring always holds the last R positions, all a window of
+R can reach; a graph reading it knows each row's position from past_len alone (edgellm/model/layers.py) and,
+keys being cached after RoPE, their order in the ring does not matter to the softmax. A ring of max_seq rows is
+written exactly like a linear cache.
+
 That is the "rows" layout. In the "inplace" layout (fused layer graphs, export/fused.py) a layer takes
 `seqlens_k` / `total_len` instead of positions and `past_len`, and its `present_*` is the whole cache with rows
 [past_len, past_len + S) written: bound to the same buffer as `past_*` (the runtime does), the graph writes
@@ -29,6 +35,19 @@ def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> N
     if start < 0 or start + count > cache.shape[2]:  # not need(): its message would be built on every step
         raise EdgeError(f"KV cache overflow: rows {start}..{start + count} do not fit max_seq={cache.shape[2]}")
     cache[:, :, start:start + count, :] = rows[:, :, :count, :]
+
+
+def write_ring(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
+    """Copy the first `count` of `rows` [1, n_kv, S, hd] into the ring `cache` [1, n_kv, R, hd]: position
+    start + j goes to row (start + j) % R; when count > R only the last R positions are kept (the earlier ones
+    would be overwritten within this very write)."""
+    r = cache.shape[2]
+    if count == 1:
+        cache[:, :, start % r, :] = rows[:, :, 0, :]
+        return
+    skip = max(0, count - r)
+    slots = np.arange(start + skip, start + count) % r
+    cache[:, :, slots, :] = rows[:, :, skip:count, :]
 
 
 def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
@@ -75,11 +94,15 @@ class KVCache:
     """Preallocated per-layer key/value buffers and the number of filled rows."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, max_seq: int, head_dim: int,
-                 dtype: np.dtype = np.float32) -> None:
-        shape = (1, n_kv_heads, max_seq, head_dim)
+                 dtype: np.dtype = np.float32, rows: tuple[int, ...] = ()) -> None:
+        """`rows`: each layer's cache rows (graphio.cache_rows; () = max_seq each); fewer than max_seq is a ring."""
+        rows = tuple(rows) or (max_seq,) * n_layers
+        if len(rows) != n_layers or not all(0 < r <= max_seq for r in rows):
+            raise EdgeError(f"KV cache rows {rows}: expected {n_layers} entries in 1..{max_seq}")
         # zeros, not empty: unfilled rows are masked out, but must never hold NaN/Inf (0 * NaN = NaN).
-        self.keys = [np.zeros(shape, dtype) for _ in range(n_layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.keys = [np.zeros((1, n_kv_heads, r, head_dim), dtype) for r in rows]
+        self.values = [np.zeros((1, n_kv_heads, r, head_dim), dtype) for r in rows]
+        self.ring = [r < max_seq for r in rows]
         self.max_seq = max_seq
         self.length = 0
 
@@ -93,14 +116,18 @@ class KVCache:
 
     def write(self, layer: int, key_rows: np.ndarray, value_rows: np.ndarray, count: int) -> None:
         """Write one layer's new rows at the current length (call `advance` once all layers are written)."""
-        write_rows(self.keys[layer], key_rows, self.length, count)
-        write_rows(self.values[layer], value_rows, self.length, count)
+        write = write_ring if self.ring[layer] else write_rows
+        write(self.keys[layer], key_rows, self.length, count)
+        write(self.values[layer], value_rows, self.length, count)
 
     def write_present(self, layer: int, kv_layout: str, key_out: np.ndarray, value_out: np.ndarray,
                       count: int) -> None:
         """`write` from a graph's present_* outputs run with separate buffers: the S new rows themselves (rows),
         or the whole cache the graph returned, whose rows from the current length on are the new ones (inplace)."""
-        if kv_layout == "inplace":
+        if kv_layout == "inplace" and self.ring[layer]:  # the new rows sit at their ring slots
+            slots = np.arange(self.length, self.length + count) % key_out.shape[2]
+            key_out, value_out = key_out[:, :, slots, :], value_out[:, :, slots, :]
+        elif kv_layout == "inplace":
             key_out, value_out = key_out[:, :, self.length:, :], value_out[:, :, self.length:, :]
         self.write(layer, key_out, value_out, count)
 
@@ -109,12 +136,18 @@ class KVCache:
             raise EdgeError(f"KV cache overflow: {self.length}+{count} > {self.max_seq}")
         self.length += count
 
+    def can_rewind(self, length: int) -> bool:
+        """Whether `rewind(length)` keeps a valid context: a ring has overwritten the rows of the positions
+        before the current length's window, so with ring layers only length 0 or the current length do."""
+        return 0 <= length <= self.length and (length in (0, self.length) or not any(self.ring))
+
     def rewind(self, length: int) -> None:
         """Keep only the first `length` rows (a conversation that shares that prefix continues from there): the
         rows after it are overwritten by the next writes and never read before (every graph attends to the
         rows below the current length only)."""
-        if not 0 <= length <= self.length:
-            raise EdgeError(f"KV cache rewind to {length}: expected 0..{self.length}")
+        if not self.can_rewind(length):
+            raise EdgeError(f"KV cache rewind to {length}: expected 0..{self.length}"
+                            + (" (0 or the current length: ring caches)" if any(self.ring) else ""))
         self.length = length
 
     def reset(self) -> None:

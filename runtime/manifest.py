@@ -26,6 +26,11 @@ readers accept exactly the versions listed):
      graphio.Dims.embed_positions): the embed, stack and model graphs take `positions` [1, S] int64 (absolute
      positions of the S rows, padding clamped to max_seq - 1) and gather their position table's rows; their layer
      graphs rotate nothing. Versions 1-7 have no such models (config.pos_embedding absent = "rope").
+     Also adds `kv_cache_rows` (a list with each layer's cache rows, or null: max_seq for every layer): a sliding-window
+     layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq) rows as a ring ("rows"
+     layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in row p % rows
+     (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what the
+     config implies (graphio.cache_rows). Versions 1-7 read as null.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -101,6 +106,7 @@ class Manifest:
     export_options: dict = field(default_factory=dict)
     verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| / max(1, |ref|) vs PyTorch
     kv_head_dim: int | None = None               # cache row width if heads are zero-padded (format 7), else null
+    kv_cache_rows: tuple[int, ...] | None = None  # each layer's cache rows when some are rings (format 8), else null
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,7 +114,7 @@ class Manifest:
     @cached_property
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
-        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim)
+        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk)
 
     @property
     def n_layers(self) -> int:
@@ -161,6 +167,10 @@ class Manifest:
         need(self.kv_head_dim is None or self.kv_layout == "inplace",
              f"kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only, got {self.kv_layout!r}")
         need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
+        rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None
+        need(self.kv_cache_rows == rows, f"kv_cache_rows: expected {list(rows) if rows else None} (the config's "
+                                         f"sliding-window layers at max_seq {self.max_seq}), got "
+                                         f"{list(self.kv_cache_rows) if self.kv_cache_rows else None}")
         need(1 <= self.prefill_chunk <= self.max_seq,
              f"prefill_chunk: expected 1..max_seq={self.max_seq}, got {self.prefill_chunk}")
         need(self.opset >= 1, f"opset: expected >= 1, got {self.opset}")
@@ -296,7 +306,7 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "config": "object", "granularity": "string", "kv_layout": "string", "max_seq": "integer", "prefill_chunk": "integer",
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
         "eos_id": "integer?", "eos_ids": "array", "sampler": "object", "quantization": "object?", "export_options": "object",
-        "verification": "object", "kv_head_dim": "integer?"}
+        "verification": "object", "kv_head_dim": "integer?", "kv_cache_rows": "array?"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
@@ -331,6 +341,8 @@ def _parse(doc: object) -> Manifest:
              f"config.pos_embedding: absolute position tables need format_version 8, this manifest says {version}")
     if version < 7:  # every cache row is the model's head_dim wide
         doc = {**doc, "kv_head_dim": None}
+    if version < 8:  # every layer's cache has max_seq rows
+        doc = {**doc, "kv_cache_rows": None}
     if version < 6:  # one end-of-generation id, no chat template
         eos = doc.get("eos_id")
         tok = doc.get("tokenizer")
@@ -343,6 +355,9 @@ def _parse(doc: object) -> Manifest:
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
     fields["eos_ids"] = tuple(d["eos_ids"])
+    if d["kv_cache_rows"] is not None:
+        need(all(is_int(r) for r in d["kv_cache_rows"]), "kv_cache_rows: expected a list of integers or null")
+        fields["kv_cache_rows"] = tuple(d["kv_cache_rows"])
     fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
     for i, g in enumerate(fields["graphs"]):  # versions 3-4 select a paired graph's variant by `decode`
         need(g.paired == g.selector or version >= 5, f"graphs[{i}] ({g.name}): a paired graph of format_version "

@@ -18,9 +18,11 @@ from edgellm.runtime.manifest import read_manifest
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=256)
 # per-preset changes so every feature is live at max_seq 64: MiniCPM's width scaling (dim_model_base < dim)
-# and LongRoPE's long factors + attention scaling (context 64 > rope_original_max); Qwen3's explicit head_dim
+# and LongRoPE's long factors + attention scaling (context 64 > rope_original_max); Qwen3's explicit head_dim;
+# Gemma 3's sliding window (layer 0 sliding with a ring cache, layer 1 full) and a softmax scale of its own
 PRESET_TWEAKS = {"minicpm4": dict(dim_model_base=32, rope_original_max=32), "qwen3": dict(head_dim=16),
-                 "stellarbyte": dict(xpos_scale_base=64.0)}
+                 "stellarbyte": dict(xpos_scale_base=64.0),
+                 "gemma3": dict(head_dim=16, sliding_window=6, attn_scale=0.2)}
 
 
 def tiny_model(preset: str, seed: int = 0, **over) -> Decoder:
@@ -89,7 +91,7 @@ def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0,
     directory = Path(directory)
     m = read_manifest(directory)
     sess = _sessions(directory, m.graphs, opts)
-    cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+    cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
     chunk = m.prefill_chunk
     rows = [_step(sess, m, cache, tokens[i:i + count], seq)
             for i, count, seq in plan_calls(len(tokens), chunk, 0, m.max_seq, m.kv_layout)]

@@ -27,7 +27,7 @@ TEXTS = ["Hello world", "The quick brown fox", "  two leading spaces", "caf√© ‰Ω
          "unseen wordsmithery zq", "<|im_start|>user\nhi<|im_end|>", "<think>hmm</think> it's 2026", ""]
 
 HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-      "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+      "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # control tokens (token_type 3)
 USER_DEFINED = ["<think>"]  # token_type 4: matched whole in text, not special
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -98,12 +98,17 @@ _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 3's four norms per layer (llama.cpp's names)
+_GEMMA3 = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf: str, family: str = "llama") -> str:
     if hf in _NAMES:
         return _NAMES[hf]
     _, _, i, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{_LAYER[module]}.{kind}"
+    return f"blk.{i}.{(_GEMMA3 if family == 'gemma3' else _LAYER)[module]}.{kind}"
 
 
 def k_quant_bytes(rows: int, cols: int, kind: Q, rng: np.random.Generator) -> np.ndarray:
@@ -135,14 +140,16 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, vocab: dict[str,
         "{arch}.feed_forward_length": cfg.intermediate_size, "{arch}.attention.head_count": cfg.num_attention_heads,
         "{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         "{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
-        "{arch}.rope.freq_base": cfg.rope_parameters["rope_theta"],
+        "{arch}.rope.freq_base": (cfg.rope_parameters.get("full_attention") or cfg.rope_parameters)["rope_theta"],
         "tokenizer.ggml.model": vocab["model"], "tokenizer.ggml.tokens": vocab["tokens"],
         "tokenizer.ggml.token_type": vocab["types"], "tokenizer.ggml.bos_token_id": vocab["bos"],
         "tokenizer.ggml.eos_token_id": vocab["eos"], "tokenizer.chat_template": TEMPLATE,
     }
     if family == "llama":
         keys["{arch}.rope.dimension_count"] = hd
-    if family == "qwen3":
+    if family == "gemma3":
+        keys["{arch}.attention.sliding_window"] = cfg.sliding_window
+    if family in ("qwen3", "gemma3"):
         keys["{arch}.attention.key_length"] = hd
         keys["{arch}.attention.value_length"] = hd
     for key in ("pre", "merges", "scores"):
@@ -160,10 +167,12 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, vocab: dict[str,
     for hf, tensor in model.state_dict().items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        name = gguf_name(hf)
+        name = gguf_name(hf, family)
         if name in drop:
             continue
         data = tensor.float().numpy()
+        if family == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's Gemma converter stores the norm gain 1 + w
         if family == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             data = permute(data, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
         kind = (tensor_types or {}).get(name, qtype if data.ndim == 2 else Q.F32)

@@ -22,10 +22,10 @@ CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim":
 
 
 def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows",
-                kv_head_dim: int | None = None) -> Manifest:
+                kv_head_dim: int | None = None, config: dict = CONFIG) -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    dims = dims_from_config(CONFIG, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim)
+    dims = dims_from_config(config, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim)
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
@@ -38,12 +38,13 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
     (root / "tokenizer.json").write_text('{"model": {}}')
     relpaths = sorted({g.file for g in graphs} | {g.data for g in graphs} | {"tokenizer.json"})
     manifest = Manifest(
-        edgellm_version="0.1.0", preset="llama", config=CONFIG, granularity=granularity, kv_layout=kv_layout,
+        edgellm_version="0.1.0", preset="llama", config=config, granularity=granularity, kv_layout=kv_layout,
         max_seq=16,
         prefill_chunk=prefill_chunk, opset=21, graphs=tuple(graphs), files=describe_files(root, relpaths),
         tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
         verification={g.name: 1e-6 for g in graphs}, kv_head_dim=kv_head_dim,
+        kv_cache_rows=dims.rows if any(r != 16 for r in dims.rows) else None,
     )
     manifest.write(root)
     return manifest
@@ -142,6 +143,27 @@ def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
     edit(tmp_path / "v6", lambda d: (d.update(format_version=6), d.pop("kv_head_dim")))
     got = read_manifest(tmp_path / "v6")
     assert (got.kv_head_dim, got.head_dim, got.model_head_dim) == (None, 4, 4)
+
+
+def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
+    """Format 8's kv_cache_rows: a sliding-window layer's cache is a ring of min(window, max_seq) rows ("rows"), its graph
+    I/O that size; the list must be what the config implies; a format-7 manifest reads as null (max_seq rows)."""
+    sliding = {**CONFIG, "layer_types": ["sliding", "full"], "sliding_window": 6}
+    written = make_export(tmp_path / "ring", config=sliding)
+    got = read_manifest(tmp_path / "ring")
+    assert got == written and got.kv_cache_rows == (6, 16) and got.dims.rows == (6, 16)
+    assert got.graph("layer", 1, 0).inputs[3].shape == (1, 2, 6, 4)
+    assert got.graph("layer", 1, 1).inputs[3].shape == (1, 2, 16, 4)
+    edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=None))
+    rejects(tmp_path / "ring", r"kv_cache_rows: expected \[6, 16\]")
+    edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=[8, 16]))
+    rejects(tmp_path / "ring", r"kv_cache_rows: expected \[6, 16\]")
+    # fused layers write a chunk before reading the ring: window + prefill_chunk - 1 rows
+    edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=[6, 16], kv_layout="inplace"))
+    rejects(tmp_path / "ring", r"kv_cache_rows: expected \[9, 16\]")
+    make_export(tmp_path / "v7")
+    edit(tmp_path / "v7", lambda d: (d.update(format_version=7), d.pop("kv_cache_rows")))
+    assert read_manifest(tmp_path / "v7").kv_cache_rows is None
 
 
 def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:

@@ -52,10 +52,15 @@ def describe_export(path: Path) -> None:
         print(f"attention: {attention}")
     print(f"precision: {_precision(m)}")
     print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
-    kv = 2 * m.n_layers * m.n_kv_heads * m.max_seq * m.head_dim * 4
+    rows = [m.dims.layer_rows(i) for i in range(m.n_layers)]
+    kv = 2 * sum(rows) * m.n_kv_heads * m.head_dim * 4
+    rings = sum(r < m.max_seq for r in rows)
     print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
           f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once"
-          + (f"; heads zero-padded to {m.head_dim}" if m.head_dim != m.model_head_dim else "") + ")")
+          + (f"; heads zero-padded to {m.head_dim}" if m.head_dim != m.model_head_dim else "")
+          + (f"; {rings} sliding-window layers keep rings of {min(rows)} rows, "
+             f"{kv / (2 * m.n_layers * m.max_seq * m.n_kv_heads * m.head_dim * 4):.0%} of full-length caches"
+             if rings else "") + ")")
     tok = m.tokenizer
     chat = f"; chat template {tok['chat_template']} (run --chat)" if tok and tok["chat_template"] else ""
     eos = ", ".join(map(str, m.eos_ids)) or "none"

@@ -49,7 +49,7 @@ class ExportRunner:
 
     def new_cache(self) -> KVCache:
         m = self.manifest
-        return KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+        return KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
 
     def _session(self, spec: GraphSpec) -> ort.InferenceSession:
         """The runtime's session options (what the board runs), one map of each weight file for all; both
@@ -110,8 +110,9 @@ class ExportRunner:
         cache.write_present(i, self.manifest.kv_layout, out[f"present_key.{i}"], out[f"present_value.{i}"], count)
         if capture is not None:  # the rows as they landed in the cache: [n_kv, count, hd] (zero padding dropped)
             hd = self.manifest.model_head_dim
-            capture["keys"][i].append(cache.keys[i][0, :, start:start + count, :hd].copy())
-            capture["values"][i].append(cache.values[i][0, :, start:start + count, :hd].copy())
+            rows = np.arange(start, start + count) % cache.keys[i].shape[2]  # a ring's slots (linear: the rows)
+            capture["keys"][i].append(cache.keys[i][0][:, rows, :hd])  # [n_kv, count, hd]
+            capture["values"][i].append(cache.values[i][0][:, rows, :hd])
 
 
 def export_trace(runner: ExportRunner, tokens: list[int]) -> Trace:

@@ -13,6 +13,7 @@ import torch
 
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
+from edgellm.runtime.graphio import cache_rows
 from edgellm.runtime.kvcache import KVCache, plan_calls
 
 from .trace import Trace, join_rows
@@ -20,7 +21,7 @@ from .trace import Trace, join_rows
 
 def new_cache(model: Decoder, max_seq: int) -> KVCache:
     cfg = model.cfg
-    return KVCache(cfg.n_layers, cfg.n_kv_heads, max_seq, cfg.hd)
+    return KVCache(cfg.n_layers, cfg.n_kv_heads, max_seq, cfg.hd, rows=cache_rows(cfg.to_dict(), max_seq))
 
 
 @torch.inference_mode()

@@ -90,6 +90,8 @@ def gguf_to_config(g: GGUFFile, source: GGUFSource) -> tuple[ModelConfig, GGUFFa
         qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, tie_embeddings="output.weight" not in source,
         **(_rope(g, arch, hd, max_pos, source) if family.rope else {}), **family.fields,
     )
+    if arch == "gemma3":
+        fields.update(gemma3_fields(g, arch, dim, fields["n_layers"]))
     fields.update(token_ids(g, vocab))
     types = dict(sorted(g.type_histogram().items(), key=lambda kv: -kv[1]))
     fields["extra"] = {"source": "gguf", "architecture": arch, "gguf_version": g.version,
@@ -98,6 +100,25 @@ def gguf_to_config(g: GGUFFile, source: GGUFSource) -> tuple[ModelConfig, GGUFFa
         return ModelConfig.from_dict(fields), family
     except EdgeError as exc:
         raise EdgeError(f"{g.path}: {exc}") from None
+
+
+GEMMA3_SWA_PATTERN = 6  # llama.cpp (set_swa_pattern(6)) and transformers: layer i is full iff (i + 1) % 6 == 0
+GEMMA3_LOCAL_THETA = 10_000.0  # llama.cpp's rope_freq_base_train_swa for gemma3 (not in the metadata)
+
+
+def gemma3_fields(g: GGUFFile, arch: str, dim: int, n_layers: int) -> dict[str, Any]:
+    """What llama.cpp's gemma3 graph computes beyond the llama keys: embeddings * sqrt(dim), post-norms, GeGLU,
+    per-head q/k norms, sliding layers (window from the metadata, the fixed 5:1 pattern, local RoPE base 1e4;
+    RoPE scaling for the full layers only). Softmax scale 1/sqrt(head_dim), llama.cpp's rule for every size but
+    27B (which it detects by layer count; refused here rather than guessed). Logit softcapping is refused."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        need(not g.has(f"{arch}.{key}"), f"{g.path}: {arch}.{key} is set; edgellm has no logit softcapping")
+    need(n_layers != 62, f"{g.path}: Gemma 3 27B (62 layers) scales attention by hidden/heads, not head_dim; "
+                         "not supported from GGUF (load its Hugging Face directory)")
+    window = g.integer(f"{arch}.attention.sliding_window")
+    types = tuple("sliding" if (i + 1) % GEMMA3_SWA_PATTERN else "full" for i in range(n_layers))
+    return dict(post_norms=True, glu_act="gelu_tanh", scale_emb=dim ** 0.5, sliding_window=window,
+                layer_types=types, rope_local_theta=GEMMA3_LOCAL_THETA)
 
 
 def token_ids(g: GGUFFile, vocab: int) -> dict[str, Any]:

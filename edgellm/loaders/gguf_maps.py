@@ -38,6 +38,16 @@ _MLP = {
     "mlp.gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
     "mlp.down.weight": ("ffn_down.weight",),
 }
+# Gemma 3: llama.cpp's converter stores every norm weight with Gemma's +1 already added (transformers' GGUF loader
+# subtracts it again), which is exactly edgellm's folded gain: the norms map as they are
+_GEMMA3 = {
+    **_ATTN, **_QK_NORM,
+    "attn_post_norm.weight": ("post_attention_norm.weight",),
+    "mlp_norm.weight": ("ffn_norm.weight",),
+    "mlp_post_norm.weight": ("post_ffw_norm.weight",),
+    "mlp.gate_up.weight": ("ffn_gate.weight", "ffn_up.weight"),
+    "mlp.down.weight": ("ffn_down.weight",),
+}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 frequency divisors: read into the config, not the weights
 
 
@@ -81,6 +91,7 @@ FAMILIES: dict[str, GGUFFamily] = {
     "gpt2": GGUFFamily("nanogpt", _gpt2_map(), eps_key="attention.layer_norm_epsilon", rope=False,
                        fields=dict(pos_embedding="learned", norm_kind="layer", mlp_kind="gelu_tanh",
                                    linear_bias=True)),
+    "gemma3": GGUFFamily("gemma3", _map(**_GEMMA3), qk_norm=True),  # + gguf_config.gemma3_fields
 }
 
 

@@ -16,10 +16,10 @@ from typing import Any
 from edgellm.runtime.errors import EdgeError
 
 from .hf_config import hf_to_config
-from .hf_maps import family_map
+from .hf_maps import NORM_OFFSET, family_map
 from .lazy import LazyWeights
 from .loaded import Loaded
-from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
+from .tensors import TensorSource, add_norm_offset, check_plan, fill_model, materialize, meta_decoder, shapes
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -70,11 +70,13 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
         check_plan(shapes(meta), plan, source, str(directory), ignored)
         tokenizer = directory / "tokenizer.json"
         tokenizer = tokenizer if tokenizer.is_file() else None
-        if lazy:
+        if lazy and hf["model_type"] not in NORM_OFFSET:  # (offset + w) gains are folded once loaded: whole
             weights = LazyWeights(meta.eval(), plan, source)
             return Loaded(weights.model, cfg, tokenizer, "hf", weights)
         model = materialize(meta)
         fill_model(model, plan, source)
+        if hf["model_type"] in NORM_OFFSET:
+            add_norm_offset(model, NORM_OFFSET[hf["model_type"]])
     except BaseException:
         source.close()
         raise

@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3 and minicpm families (and gpt2,
-whose fields hf_gpt2.py translates).
+"""Hugging Face `config.json` -> `ModelConfig`, for the llama, mistral, qwen2, qwen3, minicpm and gemma3_text
+families (Gemma 3's own fields: hf_gemma3.py) and gpt2 (whose fields hf_gpt2.py translates).
 
 Every behavioural field is set explicitly (nothing leaks from the preset's small defaults). Policy for
 features edgellm's decoder does not have: anything that would change the numbers is an EdgeError, except
@@ -23,10 +23,11 @@ from typing import Any
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import EdgeError, need
 
+from .hf_gemma3 import gemma3_fields
 from .hf_gpt2 import gpt2_fields
 
 PRESETS = {"llama": "llama2", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "minicpm": "minicpm4",
-           "gpt2": "nanogpt"}
+           "gpt2": "nanogpt", "gemma3_text": "gemma3"}
 
 
 def _int(hf: dict[str, Any], key: str, where: Path, default: int | None = None) -> int:
@@ -130,6 +131,8 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
     """Translate config.json (+ generation_config.json for missing bos/eos); `has_lm_head` settles tying when
     config.json does not say (MiniCPM remote-code configs)."""
     family = hf.get("model_type")
+    need(family != "gemma3", f"{where}: model_type 'gemma3' is the multimodal Gemma 3 (vision + text); edgellm "
+                             "loads the text-only Gemma3ForCausalLM (model_type 'gemma3_text', e.g. Gemma 3 270M/1B)")
     need(family in PRESETS, f"{where}: model_type {family!r} is not supported (expected one of "
          f"{', '.join(PRESETS)})")
     need("quantization_config" not in hf, f"{where}: quantized checkpoints are not supported (load the fp16/fp32 "
@@ -155,7 +158,7 @@ def hf_to_config(hf: dict[str, Any], generation: dict[str, Any], has_lm_head: bo
 def _llama_fields(hf: dict[str, Any], family: str, has_lm_head: bool, where: Path) -> dict[str, Any]:
     """The fields of the RoPE / RMSNorm / SwiGLU families (llama, mistral, qwen2, qwen3, minicpm)."""
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    need(act == "silu", f"{where}: hidden_act {act!r} is not supported (expected silu)")
+    need(act == "silu" or family == "gemma3_text", f"{where}: hidden_act {act!r} is not supported (expected silu)")
     need(not hf.get("mlp_bias", False), f"{where}: mlp_bias=true is not supported")
     need(family == "qwen2" or not hf.get("attention_bias", False),
          f"{where}: attention_bias=true (biased o_proj) is not supported for {family}")
@@ -164,7 +167,7 @@ def _llama_fields(hf: dict[str, Any], family: str, has_lm_head: bool, where: Pat
     head_dim = hf.get("head_dim") or hf.get("kv_channels") or dim // heads
     need(isinstance(head_dim, int) and head_dim > 0, f"{where}: head_dim must be a positive integer")
     max_pos = _int(hf, "max_position_embeddings", where)
-    window = _sliding_window(hf)
+    window = _sliding_window(hf) if family != "gemma3_text" else None  # gemma3: per-layer windows, exact
     if window is not None:
         need(isinstance(window, int) and window > 0, f"{where}: sliding_window must be a positive integer")
         if window < max_pos:
@@ -183,8 +186,9 @@ def _llama_fields(hf: dict[str, Any], family: str, has_lm_head: bool, where: Pat
         hidden_dim=_int(hf, "intermediate_size", where), max_seq_len=max_pos,
         norm_eps=_float(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where), norm_eps_mode="add",
         rope_style="half", qkv_bias=family == "qwen2", qk_norm=family == "qwen3", tie_embeddings=tie,
-        **rope_fields(hf, family, head_dim, max_pos, where),
     )
+    fields.update(gemma3_fields(hf, head_dim, max_pos, where, rope_fields) if family == "gemma3_text" else
+                  rope_fields(hf, family, head_dim, max_pos, where))
     return fields
 
 

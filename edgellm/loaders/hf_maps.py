@@ -97,6 +97,16 @@ def family_map(family: str, names: set[str]) -> WeightMap:
         return GPT2_MAPS["transformer." if "transformer.wte.weight" in names else ""]
     return FAMILIES[family]
 
+_GEMMA3 = {
+    **_ATTN, **_QK_NORM,
+    "attn_post_norm.weight": ("post_attention_layernorm.weight",),
+    "mlp_norm.weight": ("pre_feedforward_layernorm.weight",),
+    "mlp_post_norm.weight": ("post_feedforward_layernorm.weight",),
+    "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.down.weight": ("mlp.down_proj.weight",),
+}
+# families whose RMSNorm gain is (offset + w): the offset is added to every norm weight once loaded
+NORM_OFFSET = {"gemma3_text": 1.0}
 
 FAMILIES: dict[str, WeightMap] = {
     "llama": WeightMap(top=_TOP, layer={**_ATTN, **_MLP}, ignored=_ROPE_TABLES),
@@ -105,4 +115,5 @@ FAMILIES: dict[str, WeightMap] = {
     "qwen3": WeightMap(top=_TOP, layer={**_ATTN, **_QK_NORM, **_MLP}, ignored=_ROPE_TABLES),
     # MiniCPM 1/2/4 (remote code "MiniCPMForCausalLM"); q/k norms only when config.json sets qk_norm
     "minicpm": WeightMap(top=_TOP, layer={**_ATTN, **_QK_NORM, **_MLP}, ignored=_ROPE_TABLES),
+    "gemma3_text": WeightMap(top=_TOP, layer=_GEMMA3, ignored=_ROPE_TABLES),
 }

@@ -174,6 +174,15 @@ def fill_model(model: Decoder, plan: Plan, source: TensorSource) -> None:
                 del tensor  # keep at most one source tensor alive
 
 
+def add_norm_offset(model: Decoder, offset: float) -> None:
+    """Fold a gain offset into every RMSNorm weight: checkpoints that compute x_normed * (offset + w) (Gemma)
+    become plain x_normed * w' with w' = offset + w (float32, what transformers computes per call)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "norm.weight" or name.endswith("norm.weight"):
+                p.add_(offset)
+
+
 def meta_decoder(cfg: ModelConfig) -> Decoder:
     """The model `cfg` builds, on the meta device: names and shapes, no memory."""
     with torch.device("meta"):
@@ -184,7 +193,7 @@ def shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-_REBUILT = {"rotary.inv_freq", "rotary.xpos_base"}  # non-persistent buffers; set_context_len rebuilds inv_freq
+_REBUILT = {"rotary.inv_freq", "rotary.xpos_base", "rotary_local.inv_freq", "rotary_local.xpos_base"}  # non-persistent buffers; set_context_len rebuilds inv_freq
 
 
 def materialize(meta: Decoder) -> Decoder:

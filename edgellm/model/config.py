@@ -57,6 +57,18 @@ class ModelConfig:
     layerscale_init: float | None = None
     drop_path: float = 0.0
     dropout: float = 0.0
+    # Gemma 2/3 (all defaults off): a norm on each branch's output before its residual add ("sandwich" norms);
+    # the gated MLP's activation ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated GELU); the softmax
+    # scale of q.k (None: 1/sqrt(head_dim); Gemma: query_pre_attn_scalar ** -0.5)
+    post_norms: bool = False
+    glu_act: str = "silu"
+    attn_scale: float | None = None
+    # Sliding-window attention (Gemma 3): layer_types[i] is "full" or "sliding" (None: all full); a sliding
+    # layer attends to keys with q_pos - k_pos < sliding_window, RoPE base rope_local_theta (None: rope_theta)
+    # and no RoPE factors (those scale the full layers only, as Gemma 3's rope_parameters per layer type do)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
     bos_id: int | None = 1
     eos_id: int | None = 2
     # ids besides eos_id that end generation (an instruct model's end-of-turn token: Qwen's <|im_end|>, Llama 3's
@@ -98,6 +110,19 @@ class ModelConfig:
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in self.end_ids),
             f"end_ids: expected a list of token ids in [0, {self.vocab_size}), got {self.end_ids!r:.60}")
         object.__setattr__(self, "end_ids", tuple(i for i in dict.fromkeys(self.end_ids) if i != self.eos_id))
+        need(self.glu_act in GLU_ACTS, f"glu_act must be one of {', '.join(GLU_ACTS)}, got {self.glu_act!r}")
+        need(self.attn_scale is None or self.attn_scale > 0, f"attn_scale must be positive, got {self.attn_scale}")
+        need(self.sliding_window is None or self.sliding_window > 0,
+             f"sliding_window must be positive, got {self.sliding_window}")
+        if self.layer_types is not None:
+            types = self.layer_types
+            need(isinstance(types, (list, tuple)) and len(types) == self.n_layers and
+                 all(t in LAYER_TYPES for t in types),
+                 f"layer_types: expected {self.n_layers} entries, each one of {', '.join(LAYER_TYPES)}, "
+                 f"got {types!r:.80}")
+            object.__setattr__(self, "layer_types", tuple(types))
+            need("sliding" not in types or self.sliding_window is not None,
+                 "layer_types: sliding layers need sliding_window")
         need((self.rope_long_factor is None) == (self.rope_original_max is None),
              "LongRoPE needs both rope_long_factor/rope_short_factor and rope_original_max")
 
@@ -105,6 +130,16 @@ class ModelConfig:
     @property
     def hd(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer` (keys with q_pos - k_pos < window), or None for full attention."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding"
+        return self.sliding_window if sliding else None
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale of q.k."""
+        return self.hd ** -0.5 if self.attn_scale is None else self.attn_scale
 
     @property
     def rotary(self) -> bool:
@@ -139,6 +174,10 @@ class ModelConfig:
             probe = cls.from_dict({**data, "rope_short_factor": None, "rope_long_factor": None,
                                    "rope_original_max": None})
             data.update(_minicpm_factors(probe.hd // 2))
+        if data["preset"] == "gemma3":  # the preset's pattern and embedding scale follow the overridden sizes
+            n = data.get("n_layers", cls.n_layers)
+            data.setdefault("layer_types", tuple("full" if i % 6 == 5 or i == n - 1 else "sliding" for i in range(n)))
+            data.setdefault("scale_emb", math.sqrt(data.get("dim", cls.dim)))
         return cls.from_dict(data)
 
     @classmethod
@@ -151,7 +190,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("rope_short_factor", "rope_long_factor", "end_ids"):
+        for key in ("rope_short_factor", "rope_long_factor", "end_ids", "layer_types"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
@@ -169,7 +208,7 @@ class ModelConfig:
         mlp = (3 if gated else 2) * d * self.hidden_dim
         mlp += ((2 if gated else 1) * self.hidden_dim + d) if self.linear_bias else 0
         norm = 2 * d if self.norm_kind == "layer" else d
-        layer = attn + mlp + 2 * norm + (2 * d if self.layerscale_init is not None else 0)
+        layer = attn + mlp + (4 if self.post_norms else 2) * norm + (2 * d if self.layerscale_init is not None else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         pos = self.max_seq_len * d if self.pos_embedding == "learned" else 0
         return self.vocab_size * d + pos + self.n_layers * layer + norm + head
@@ -177,6 +216,8 @@ class ModelConfig:
 
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 MLP_KINDS = ("swiglu", "gelu", "gelu_tanh")
+GLU_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 MAX_LAYERS = 1024  # a corrupt n_layers must not make even a meta-device model build billions of modules
 _TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
                                               "dict[str, Any]": dict}
@@ -228,6 +269,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # biases on every block linear, tied head, multi-head attention, no RoPE
     "nanogpt": dict(preset="nanogpt", pos_embedding="learned", norm_kind="layer", mlp_kind="gelu_tanh",
                     linear_bias=True, tie_embeddings=True, hidden_dim=1024, max_seq_len=256),
+    # Gemma 3 (text): norm gains (1 + w) are folded into the weights at load time (loaders), so the norms here
+    # are plain RMSNorms; layer_types (5 sliding : 1 full, the last layer full) and scale_emb = sqrt(dim) are set by preset_config
+    "gemma3": dict(preset="gemma3", qk_norm=True, post_norms=True, glu_act="gelu_tanh", norm_eps=1e-6,
+                   n_kv_heads=1, head_dim=64, sliding_window=64, rope_theta=1_000_000.0,
+                   rope_local_theta=10_000.0, tie_embeddings=True, bos_id=2, eos_id=1),
 }
 
 # Reference shapes used by the benchmarks (random weights), on top of the architecture presets.

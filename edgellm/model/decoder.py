@@ -20,12 +20,16 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg, context_len) if cfg.rotary else None
+        # sliding-window layers (Gemma 3) have their own RoPE table; no module without them (state dicts unchanged)
+        windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        if any(w is not None for w in windows):
+            self.rotary_local = Rotary(cfg, context_len, local=True)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         if cfg.pos_embedding == "learned":  # GPT-2's wpe: [max_seq_len, D], added to the token embeddings
             self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
         elif cfg.pos_embedding == "sinusoidal":  # seed 004's fixed table, rebuilt (never saved)
             self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.dim), persistent=False)
-        self.layers = nn.ModuleList(Block(cfg, self.rotary) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, self.rotary if w is None else self.rotary_local, w) for w in windows)
         self.norm = make_norm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -46,6 +50,8 @@ class Decoder(nn.Module):
         """Build RoPE for this context (LongRoPE picks long or short factors by it)."""
         if self.rotary is not None:
             self.rotary.set_context_len(context_len)
+        if hasattr(self, "rotary_local"):
+            self.rotary_local.set_context_len(context_len)
 
     def position_table(self) -> Tensor | None:
         """[max_seq_len, D] absolute position embeddings added to the token embeddings, or None (RoPE)."""
@@ -78,7 +84,8 @@ class Decoder(nn.Module):
                 past_len: Tensor | None = None) -> tuple[Tensor, KV]:
         """tokens [B,S] -> (logits [B,S,V], [(k_new, v_new) [B,KV,S,hd] per layer]).
 
-        `past` holds the static buffers [B,KV,max_seq,hd] of which the first `past_len` [B] rows are filled;
+        `past` holds the static buffers [B,KV,max_seq,hd] of which the first `past_len` [B] rows are filled (a
+        sliding-window layer's may be a ring of fewer rows, runtime/kvcache.py);
         without it attention is causal over these S tokens alone (training, or a one-shot forward).
         """
         b, s = tokens.shape

@@ -6,6 +6,7 @@ Flavours (all from `ModelConfig`):
 - LongRoPE (seed 002): inverse frequencies divided by the long or short factors, chosen by whether the
   context length exceeds `rope_original_max`; cos/sin multiplied by sqrt(1 + ln s / ln original_max),
   s = max_seq_len / rope_original_max (1 when s <= 1);
+- sliding-window layers (Gemma 3) get their own table: base rope_local_theta, no factors;
 - XPos (seed 000): q * scale and k / scale before rotation, scale = ((2i/d + 0.4)/1.4) ** ((pos - c)/scale_base)
   with a fixed centre c, so q.k depends on positions only through their difference.
 """
@@ -20,11 +21,13 @@ from torch import Tensor, nn
 from .config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig, context_len: int) -> Tensor:
-    """[hd/2] float32: theta^(-2i/hd), divided by the LongRoPE factors picked for `context_len`."""
+def inverse_frequencies(cfg: ModelConfig, context_len: int, local: bool = False) -> Tensor:
+    """[hd/2] float32: theta^(-2i/hd), divided by the LongRoPE factors picked for `context_len`. `local`: the
+    sliding-window layers' table (Gemma 3): base rope_local_theta, no factors."""
     hd = cfg.hd
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    if cfg.rope_long_factor is not None:
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    if cfg.rope_long_factor is not None and not local:
         long = context_len > cfg.rope_original_max
         factors = cfg.rope_long_factor if long else cfg.rope_short_factor
         inv = inv / torch.tensor(factors, dtype=torch.float32)
@@ -64,15 +67,16 @@ def rotate(x: Tensor, style: str) -> Tensor:
 class Rotary(nn.Module):
     """positions [B,S] -> cos, sin, q_scale, k_scale, each [B,1,S,hd] (scales are None without XPos)."""
 
-    def __init__(self, cfg: ModelConfig, context_len: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, context_len: int | None = None, local: bool = False) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.mscale = longrope_mscale(cfg)
-        self.register_buffer("inv_freq", inverse_frequencies(cfg, context_len or cfg.max_seq_len), persistent=False)
+        self.cfg, self.local = cfg, local
+        self.mscale = 1.0 if local else longrope_mscale(cfg)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg, context_len or cfg.max_seq_len, local),
+                             persistent=False)
         self.register_buffer("xpos_base", xpos_base(cfg) if cfg.xpos else torch.empty(0), persistent=False)
 
     def set_context_len(self, context_len: int) -> None:
-        self.inv_freq = inverse_frequencies(self.cfg, context_len).to(self.inv_freq.device)
+        self.inv_freq = inverse_frequencies(self.cfg, context_len, self.local).to(self.inv_freq.device)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         style = self.cfg.rope_style
