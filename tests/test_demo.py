@@ -9,6 +9,7 @@ import re
 import pytest
 
 from edgellm.cli import main
+from edgellm.quant.options import INT8_GROUP
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.stats import peak_rss_mb
 
@@ -21,11 +22,11 @@ def test_demo_quantizes_to_int8_and_int4_and_runs_every_export(tmp_path, capfd):
     printed = capfd.readouterr()
     text = printed.out + printed.err
 
-    # the exports: fp32 with its stack graph, int8 per channel, int4 block-wise, each a readable manifest
+    # the exports: fp32 with its stack graph, int8 and int4 block-wise (the defaults), each a readable manifest
     fp32, int8, int4 = (read_manifest(out / n) for n in ("fp32", "int8", "int4"))
     assert fp32.quantization is None and fp32.has_stack
     assert int4.quantization["options"]["method"] == "mse"  # the demo's int4 uses the error-reducing method
-    for manifest, bits, group in ((int8, 8, 0), (int4, 4, 32)):
+    for manifest, bits, group in ((int8, 8, INT8_GROUP), (int4, 4, 32)):
         assert manifest.quantization["options"]["bits"] == bits
         linears = [w for w in manifest.quantization["weights"].values() if w["op"] != "Gather"]
         assert linears and {w["bits"] for w in linears} == {bits}
