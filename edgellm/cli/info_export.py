@@ -21,7 +21,11 @@ def _precision(m: Manifest) -> str:
         return "fp32"
     o = q.get("options", {})  # the quantization record is free-form JSON: nothing here may raise
     bits = o.get("bits", "?")
-    linears = f"int{bits}" + (f" g{o.get('group_size', '?')}" if bits == 4 else " per channel")
+    weights = q.get("weights") if isinstance(q.get("weights"), dict) else {}
+    blocks = {w.get("block_size") for w in weights.values() if isinstance(w, dict) and w.get("op") != "Gather"
+              and w.get("bits") == bits}  # the linears' blocks as written (the options may say null: the default)
+    block = blocks.pop() if len(blocks) == 1 else o.get("group_size")
+    linears = f"int{bits}" + (" per channel" if block == 0 else f" g{block if block is not None else '?'}")
     fmt = o.get("format", "?")
     return (f"{linears} {'sym' if o.get('symmetric', True) else 'asym'} {o.get('method', '?')}, format {fmt}"
             + (f" (accuracy level {q.get('accuracy_level', '?')})" if fmt == "fast" else "")
