@@ -106,3 +106,18 @@ def torch_logits(model: Decoder, tokens: Sequence[int]) -> np.ndarray:
     """The full forward (no cache) on `tokens`: logits [T, V]."""
     with torch.no_grad():
         return model(torch.tensor([list(tokens)]))[0][0].numpy()
+
+
+def engine_greedy(directory: Path, prompt: list[int], steps: int) -> tuple[np.ndarray, list[int], KVCache]:
+    """The runtime's engine (stack graph where the export has one, 1 thread): the prompt, then `steps` greedy
+    steps; the logits that picked each token [steps + 1, V], the tokens and the cache."""
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+
+    engine = Generator.open(directory, config=SessionConfig(threads=1)).engine
+    rows = [engine.forward(prompt).copy()]
+    generated: list[int] = []
+    for _ in range(steps):
+        generated.append(int(rows[-1].argmax()))
+        rows.append(engine.forward(generated[-1:]).copy())
+    return np.stack(rows), generated, engine.cache

@@ -18,7 +18,7 @@ from edgellm.quant.options import QuantizeOptions
 from edgellm.runtime import Generator
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest
-from edgellm.runtime.session import SessionConfig
+from tests.export_helpers import engine_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,17 +98,6 @@ def export(tmp: Path, granularity: str = "layer", attention: str = "fused",
     return hf, tmp / "fp32", log
 
 
-def runtime_greedy(directory: Path, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    """The runtime engine: prompt, then STEPS greedy steps; the logits that picked each token and the tokens."""
-    engine = Generator.open(directory, config=SessionConfig(threads=1)).engine
-    rows = [engine.forward(prompt).copy()]
-    generated = []
-    for _ in range(STEPS):
-        generated.append(int(rows[-1].argmax()))
-        rows.append(engine.forward(generated[-1:]).copy())
-    return np.stack(rows), generated
-
-
 def prompt_ids() -> list[int]:
     return torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -126,7 +115,7 @@ def test_export_greedy_matches_transformers_past_the_window(tmp_path, granularit
     assert ("ring cache" in m.export_options["attention_impl"]) == (attention == "fused")
     layer0 = next(g for g in m.graphs if g.name == ("layer_0.decode" if granularity == "layer" else "model.decode"))
     assert next(t for t in layer0.inputs if t.name == "past_key.0").shape == (1, 1, ring, 32)
-    got, generated = runtime_greedy(out, prompt_ids())
+    got, generated, _ = engine_greedy(out, prompt_ids(), STEPS)
     want = hf_logits(hf, prompt_ids() + generated)[PROMPT - 1:]
     assert got.shape == want.shape == (STEPS + 1, VOCAB)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
@@ -144,7 +133,7 @@ def test_quantized_export_runs_past_the_window(tmp_path, bits):
                     log=log.append)
     q = read_manifest(tmp_path / "q")
     assert q.kv_cache_rows == read_manifest(out).kv_cache_rows and q.quantization is not None
-    got, generated = runtime_greedy(tmp_path / "q", prompt_ids())
+    got, generated, _ = engine_greedy(tmp_path / "q", prompt_ids(), STEPS)
     want = hf_logits(hf, prompt_ids() + generated)[PROMPT - 1:]
     assert np.isfinite(got).all()
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))

@@ -19,10 +19,8 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.loaders import load_checkpoint
 from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.options import QuantizeOptions
-from edgellm.runtime import Generator
-from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import read_manifest
-from edgellm.runtime.session import SessionConfig
+from tests.export_helpers import engine_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,18 +59,6 @@ def export(tmp: Path, family: str, head_dim: int, log: list[str] | None = None) 
     export_model(loaded.model, tmp / "fp32", ExportOptions(**OPTIONS), progress=False,
                  log=(log if log is not None else []).append)
     return hf, tmp / "fp32"
-
-
-def runtime_logits(directory: Path, prompt: list[int]) -> tuple[np.ndarray, list[int], KVCache]:
-    """The runtime's engine (stack graph where the export has one): prompt, then STEPS greedy steps; the logits
-    that picked each token [STEPS + 1, V], the tokens and the cache."""
-    engine = Generator.open(directory, config=SessionConfig(threads=1)).engine
-    rows = [engine.forward(prompt).copy()]
-    generated = []
-    for _ in range(STEPS):
-        generated.append(int(rows[-1].argmax()))
-        rows.append(engine.forward(generated[-1:]).copy())
-    return np.stack(rows), generated, engine.cache
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> np.ndarray:
@@ -120,7 +106,7 @@ def test_head_size_exports_and_matches_transformers(tmp_path, capsys, family, he
     assert main(["info", str(out)]) == 0 and f"attention: {record}\n" in capsys.readouterr().out
 
     prompt = prompt_ids()
-    got, generated, cache = runtime_logits(out, prompt)
+    got, generated, cache = engine_greedy(out, prompt, STEPS)
     assert cache.length == PROMPT + STEPS and not cache.keys[0][..., head_dim:].any()  # the padding stays zero
     want = hf_logits(hf, prompt + generated)[PROMPT - 1:]
     assert got.shape == want.shape == (STEPS + 1, 128)
@@ -142,7 +128,7 @@ def test_int4_on_odd_head_sizes(tmp_path, family, head_dim, fmt):
     assert q.export_options["attention_impl"] == src.export_options["attention_impl"]
     assert q.kv_head_dim == src.kv_head_dim and q.head_dim == src.head_dim
     prompt = prompt_ids()
-    got, generated, _ = runtime_logits(tmp_path / "q4", prompt)
+    got, generated, _ = engine_greedy(tmp_path / "q4", prompt, STEPS)
     want = hf_logits(hf, prompt + generated)[PROMPT - 1:]
     assert np.isfinite(got).all()
     cos = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
