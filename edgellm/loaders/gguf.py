@@ -14,9 +14,9 @@ from .gguf_config import gguf_to_config
 from .gguf_file import GGUFFile, GGUFSource, has_magic
 from .gguf_maps import unpermute
 from .gguf_tokenizer import write_tokenizer
-from .lazy import LazyWeights
+from .lazy import model_or_weights
 from .loaded import Loaded
-from .tensors import check_plan, fill_model, materialize, meta_decoder, shapes
+from .tensors import check_plan, meta_decoder, shapes
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -43,16 +43,13 @@ def load_gguf(path: Path, lazy: bool = False) -> Loaded:
         check_plan(shapes(meta), plan, source, str(path), ignored)
         tokenizer = write_tokenizer(g)  # before allocating: a broken vocabulary fails fast too
         g.forget("tokenizer.ggml.")
-        if lazy:
-            weights = LazyWeights(meta.eval(), plan, source)
-            return Loaded(weights.model, cfg, tokenizer, "gguf", weights)
-        model = materialize(meta)
-        fill_model(model, plan, source)
+        model, weights = model_or_weights(meta, plan, source, lazy)
     except BaseException:
         g.close()
         raise
-    g.close()
-    return Loaded(model.eval(), cfg, tokenizer, "gguf")
+    if weights is None:
+        g.close()
+    return Loaded(model, cfg, tokenizer, "gguf", weights)
 
 
 def describe(extra: dict) -> list[str]:

@@ -17,9 +17,9 @@ from edgellm.runtime.errors import EdgeError
 
 from .hf_config import hf_to_config
 from .hf_maps import NORM_OFFSET, family_map
-from .lazy import LazyWeights
+from .lazy import model_or_weights
 from .loaded import Loaded
-from .tensors import TensorSource, add_norm_offset, check_plan, fill_model, materialize, meta_decoder, shapes
+from .tensors import TensorSource, add_norm_offset, check_plan, meta_decoder, shapes
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -70,15 +70,13 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
         check_plan(shapes(meta), plan, source, str(directory), ignored)
         tokenizer = directory / "tokenizer.json"
         tokenizer = tokenizer if tokenizer.is_file() else None
-        if lazy and hf["model_type"] not in NORM_OFFSET:  # (offset + w) gains are folded once loaded: whole
-            weights = LazyWeights(meta.eval(), plan, source)
-            return Loaded(weights.model, cfg, tokenizer, "hf", weights)
-        model = materialize(meta)
-        fill_model(model, plan, source)
-        if hf["model_type"] in NORM_OFFSET:
-            add_norm_offset(model, NORM_OFFSET[hf["model_type"]])
+        offset = NORM_OFFSET.get(hf["model_type"])  # (offset + w) gains are folded once loaded: load whole
+        model, weights = model_or_weights(meta, plan, source, lazy and offset is None)
+        if offset is not None:
+            add_norm_offset(model, offset)
     except BaseException:
         source.close()
         raise
-    source.close()
-    return Loaded(model.eval(), cfg, tokenizer, "hf")
+    if weights is None:
+        source.close()
+    return Loaded(model, cfg, tokenizer, "hf", weights)

@@ -25,7 +25,7 @@ from edgellm.model import Decoder
 from edgellm.model.rope import Rotary
 from edgellm.runtime.errors import need
 
-from .tensors import Plan, fill_model
+from .tensors import Plan, fill_model, materialize
 
 
 class Weights(Protocol):
@@ -117,3 +117,14 @@ def _swap(model: Decoder, name: str, device: str) -> None:
                                             requires_grad=old.requires_grad)
     if device == "meta" and old.device.type != "meta":
         old.data = torch.empty(0)  # a view taken from it (a numpy array) still keeps its storage alive
+
+
+def model_or_weights(meta: Decoder, plan: Plan, source, lazy: bool) -> tuple[Decoder, LazyWeights | None]:
+    """What every loader ends with, once `plan` is checked against `source`: `lazy`, the meta-device model and a
+    LazyWeights that now owns `source`; else the model filled from `source` (eval mode; the caller closes it)."""
+    if lazy:
+        weights = LazyWeights(meta.eval(), plan, source)
+        return weights.model, weights
+    model = materialize(meta)
+    fill_model(model, plan, source)
+    return model.eval(), None

@@ -29,9 +29,9 @@ from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, safe_join
 
 from .extra_state import TREE_FILE, read_extra_state, write_extra_state
-from .lazy import LazyWeights
+from .lazy import model_or_weights
 from .loaded import Loaded
-from .tensors import TensorSource, check_plan, fill_model, materialize, meta_decoder, shapes
+from .tensors import TensorSource, check_plan, meta_decoder, shapes
 
 FORMAT, VERSION = "edgellm-checkpoint", 1
 MARKER, WEIGHTS = "edgellm.json", "model.safetensors"
@@ -122,16 +122,13 @@ def load_native(directory: Path, lazy: bool = False) -> Loaded:
         meta = meta_decoder(cfg)
         plan = {name: (name,) for name in meta.state_dict()}
         check_plan(shapes(meta), plan, source, str(weights))
-        if lazy:
-            lazy_weights = LazyWeights(meta.eval(), plan, source)
-            return Loaded(lazy_weights.model, cfg, tokenizer, "edgellm", lazy_weights)
-        model = materialize(meta)
-        fill_model(model, plan, source)
+        model, lazy_weights = model_or_weights(meta, plan, source, lazy)
     except BaseException:
         source.close()
         raise
-    source.close()
-    return Loaded(model.eval(), cfg, tokenizer, "edgellm")
+    if lazy_weights is None:
+        source.close()
+    return Loaded(model, cfg, tokenizer, "edgellm", lazy_weights)
 
 
 def load_extra_state(directory: Path) -> dict[str, Any] | None:
