@@ -110,3 +110,23 @@ def test_lazy_gguf_export_is_the_resident_export(tmp_path):
     export_model(resident.model, tmp_path / "resident", OPTIONS, progress=False, log=lambda _: None)
     a, b = read_manifest(tmp_path / "lazy"), read_manifest(tmp_path / "resident")
     assert a.files == b.files and a.verification == b.verification
+
+
+def test_lazy_gemma3_hf_export_is_the_resident_export(tmp_path):
+    """Gemma 3's (1 + w) norm gains are added as each tensor is read, so a Gemma 3 HF directory loads lazily
+    too (it used to load whole): the same export, and the same logits as transformers."""
+    from tests.test_gemma3 import hf_logits, save_gemma
+
+    hf = save_gemma(tmp_path / "hf", seed=2)
+    resident = load_checkpoint(tmp_path / "hf")
+    tokens = [3, 9, 27, 81, 5, 15, 45]
+    with load_checkpoint(tmp_path / "hf", lazy=True).weights as lazy:
+        assert _resident_names(lazy.model) == set()
+        lazy.model.set_context_len(resident.model.cfg.max_seq_len)
+        assert torch.allclose(forward_by_parts(lazy, torch.tensor([tokens])),
+                              torch.from_numpy(hf_logits(hf, tokens)), atol=1e-4)
+        export_model(lazy.model, tmp_path / "lazy", OPTIONS, progress=False, log=lambda _: None, weights=lazy)
+        assert _resident_names(lazy.model) == set()
+    export_model(resident.model, tmp_path / "resident", OPTIONS, progress=False, log=lambda _: None)
+    a, b = read_manifest(tmp_path / "lazy"), read_manifest(tmp_path / "resident")
+    assert a.files == b.files and a.verification == b.verification

@@ -19,7 +19,7 @@ from .hf_config import hf_to_config
 from .hf_maps import NORM_OFFSET, family_map
 from .lazy import model_or_weights
 from .loaded import Loaded
-from .tensors import TensorSource, add_norm_offset, check_plan, meta_decoder, shapes
+from .tensors import TensorSource, check_plan, meta_decoder, shapes
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -62,6 +62,8 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
         cfg = hf_to_config(hf, generation, "lm_head.weight" in source, config_path)
         weight_map = family_map(hf["model_type"], source.names())
         source.transposed = weight_map.is_transposed
+        offset = NORM_OFFSET.get(hf["model_type"], 0.0)  # (offset + w) gains, folded as each norm is read
+        source.offset = lambda name: offset if name.endswith("norm.weight") else 0.0
         meta = meta_decoder(cfg)
         plan = weight_map.plan(meta.state_dict())
         ignored = {name for name in source.names() if weight_map.is_ignored(name)}
@@ -70,10 +72,7 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
         check_plan(shapes(meta), plan, source, str(directory), ignored)
         tokenizer = directory / "tokenizer.json"
         tokenizer = tokenizer if tokenizer.is_file() else None
-        offset = NORM_OFFSET.get(hf["model_type"])  # (offset + w) gains are folded once loaded: load whole
-        model, weights = model_or_weights(meta, plan, source, lazy and offset is None)
-        if offset is not None:
-            add_norm_offset(model, offset)
+        model, weights = model_or_weights(meta, plan, source, lazy)
     except BaseException:
         source.close()
         raise

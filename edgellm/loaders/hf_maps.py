@@ -105,7 +105,7 @@ _GEMMA3 = {
     "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.down.weight": ("mlp.down_proj.weight",),
 }
-# families whose RMSNorm gain is (offset + w): the offset is added to every norm weight once loaded
+# families whose RMSNorm gain is (offset + w): the offset is added to every source `*norm.weight` as it is read
 NORM_OFFSET = {"gemma3_text": 1.0}
 
 FAMILIES: dict[str, WeightMap] = {

@@ -58,10 +58,12 @@ class LazyWeights:
 
     def __init__(self, meta: Decoder, plan: Plan, source) -> None:
         transient = {name for name, _ in meta.named_buffers()} - set(meta.state_dict())
-        need(all(name.startswith("rotary.") for name in transient),
+        need(all(name.startswith(("rotary.", "rotary_local.")) for name in transient),
              f"internal: lazy loading cannot rebuild buffers {sorted(transient)}")
-        for name, buf in Rotary(meta.cfg).named_buffers():  # RoPE tables: computed, not loaded
-            setattr(meta.rotary, name, buf)
+        for module, local in (("rotary", False), ("rotary_local", True)):  # RoPE tables: computed, not loaded
+            if any(name.startswith(module + ".") for name in transient):
+                for name, buf in Rotary(meta.cfg, local=local).named_buffers():
+                    setattr(getattr(meta, module), name, buf)
         self.model, self.plan, self.source = meta, plan, source
         self._held: Counter[str] = Counter()
 

@@ -38,6 +38,8 @@ class TensorSource:
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
         self.transposed: Callable[[str], bool] = lambda name: False  # 2-D tensors stored [in, out] (GPT-2 Conv1D)
+        # added to a tensor as it is read (float32): Gemma's RMSNorm gains are stored as w for (1 + w)
+        self.offset: Callable[[str], float] = lambda name: 0.0
         try:
             for path in files:
                 handle = self._open(Path(path))
@@ -107,6 +109,9 @@ class TensorSource:
                 tensor = handle.get_tensor(name)
         except Exception as exc:
             raise EdgeError(f"{path}: corrupt safetensors file ({exc})") from None
+        offset = self.offset(name)
+        if offset:  # in float32, as transformers computes (1.0 + weight.float()) per call
+            tensor = tensor.float() + offset
         return tensor.t() if tensor.dim() == 2 and self.transposed(name) else tensor
 
     def close(self) -> None:
@@ -172,15 +177,6 @@ def fill_model(model: Decoder, plan: Plan, source: TensorSource) -> None:
                 state[target][row:row + tensor.shape[0]].copy_(tensor)
                 row += tensor.shape[0]
                 del tensor  # keep at most one source tensor alive
-
-
-def add_norm_offset(model: Decoder, offset: float) -> None:
-    """Fold a gain offset into every RMSNorm weight: checkpoints that compute x_normed * (offset + w) (Gemma)
-    become plain x_normed * w' with w' = offset + w (float32, what transformers computes per call)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name == "norm.weight" or name.endswith("norm.weight"):
-                p.add_(offset)
 
 
 def meta_decoder(cfg: ModelConfig) -> Decoder:
