@@ -93,14 +93,10 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
 
 
 def edgellm_logits(directory: Path, ids: list[int], threads: int) -> np.ndarray:
-    from edgellm.diff.collect_ort import ExportRunner, export_trace
+    from edgellm.diff.collect_ort import export_trace, open_engine
     from edgellm.runtime.manifest import read_manifest
 
-    runner = ExportRunner(directory, read_manifest(directory), threads=threads)
-    try:
-        return export_trace(runner, ids).logits
-    finally:
-        runner.close()
+    return export_trace(open_engine(directory, read_manifest(directory), threads), ids).logits
 
 
 def edgellm_speed(directory: Path, threads: int) -> float:
