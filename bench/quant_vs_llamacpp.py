@@ -51,17 +51,11 @@ def log(msg: str) -> None:
 
 def metrics(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
     """Rows 0..T-2 (each predicts the next id): top-1 agreement, mean KL(ref || got), PPL of got on the ids."""
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    from edgellm.runtime.metrics import kl_divergence, perplexity
 
-    lr, lg = log_softmax(ref[:-1]), log_softmax(got[:-1])
-    target = np.asarray(ids[1:])
-    rows = np.arange(len(target))
-    return {"top1": float((lr.argmax(-1) == lg.argmax(-1)).mean()),
-            "kl": float((np.exp(lr) * (lr - lg)).sum(-1).mean()),
-            "ppl": float(np.exp(-lg[rows, target].mean())), "positions": len(target)}
+    return {"top1": float((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).mean()),
+            "kl": float(kl_divergence(ref[:-1], got[:-1]).mean()),
+            "ppl": perplexity(got, ids), "positions": len(ids) - 1}
 
 
 def size_mb(path: Path) -> float:
