@@ -51,7 +51,9 @@ def write_ring(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> N
 
 
 def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
-    """The position inputs of a graph running S = `seq` tokens (real or padding) from position `start`.
+    """The position inputs of a graph running S = `seq` tokens (real or padding) from position `start` (the
+    Engine writes these values in place into the buffers it bound, tests/test_engine_rows.py checks they agree;
+    the embed, stack and model graphs of an absolute position table take the same `positions`).
 
     rows: positions [1, S] (padding positions clamped to max_seq - 1: their rows are never used) and
     past_len [1]; inplace: seqlens_k [1] = start + S - 1 and total_len [] = start + S (int32, as
@@ -63,14 +65,6 @@ def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, 
         return {"seqlens_k": np.array([start + seq - 1], np.int32), "total_len": np.array(start + seq, np.int32)}
     positions = np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]
     return {"positions": positions, "past_len": np.array([start], np.int64)}
-
-
-def embed_feeds(embed_positions: bool, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
-    """The embed graph's position input: positions [1, S] from `start` (clamped like step_feeds') for a model
-    with an absolute position table (graphio.Dims.embed_positions), else nothing."""
-    if not embed_positions:
-        return {}
-    return {"positions": np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]}
 
 
 def plan_calls(n: int, chunk: int, past: int, max_seq: int, kv_layout: str) -> list[tuple[int, int, int]]:

@@ -14,6 +14,7 @@ import pytest
 
 from edgellm.export import ExportOptions, export_model
 from edgellm.runtime.engine import Engine, GraphRun
+from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.session import SessionConfig
 from tests.export_helpers import tiny_model, torch_logits
@@ -84,6 +85,10 @@ def test_hook_sees_each_graphs_outputs(export, stack) -> None:
         for start, count, seq in calls for name in order]
     sessions: dict[str, ort.InferenceSession] = {}
     for run in runs:
+        rule = step_feeds(m.kv_layout if run.spec.role in ("layer", "stack") else "rows", run.start, run.spec.seq,
+                          m.max_seq)  # the kvcache rule: the position inputs the Engine wrote in place
+        for name in set(rule) & set(run.inputs):
+            assert np.array_equal(run.inputs[name].reshape(rule[name].shape), rule[name]), (run.spec.name, name)
         if run.spec.file not in sessions:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = 1
