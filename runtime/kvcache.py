@@ -16,8 +16,8 @@ written exactly like a linear cache.
 That is the "rows" layout. In the "inplace" layout (fused layer graphs, export/fused.py) a layer takes
 `seqlens_k` / `total_len` instead of positions and `past_len`, and its `present_*` is the whole cache with rows
 [past_len, past_len + S) written: bound to the same buffer as `past_*` (the runtime does), the graph writes
-exactly the rows `write_rows` would, in place; run with separate buffers (the diff, the export checks),
-`KVCache.write_present` takes those rows out so they enter the caller's cache through `write_rows` again.
+exactly the rows `write_rows` would, in place. Every caller (the diff, quantize, the export checks, the tests)
+runs graphs through the runtime's Engine, so no other update path exists.
 """
 
 from __future__ import annotations
@@ -113,17 +113,6 @@ class KVCache:
         write = write_ring if self.ring[layer] else write_rows
         write(self.keys[layer], key_rows, self.length, count)
         write(self.values[layer], value_rows, self.length, count)
-
-    def write_present(self, layer: int, kv_layout: str, key_out: np.ndarray, value_out: np.ndarray,
-                      count: int) -> None:
-        """`write` from a graph's present_* outputs run with separate buffers: the S new rows themselves (rows),
-        or the whole cache the graph returned, whose rows from the current length on are the new ones (inplace)."""
-        if kv_layout == "inplace" and self.ring[layer]:  # the new rows sit at their ring slots
-            slots = np.arange(self.length, self.length + count) % key_out.shape[2]
-            key_out, value_out = key_out[:, :, slots, :], value_out[:, :, slots, :]
-        elif kv_layout == "inplace":
-            key_out, value_out = key_out[:, :, self.length:, :], value_out[:, :, self.length:, :]
-        self.write(layer, key_out, value_out, count)
 
     def advance(self, count: int) -> None:
         if self.length + count > self.max_seq:  # not need(): its message would be built on every step
