@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.graphio import MAX_LAYERS
+from edgellm.runtime.graphio import MAX_LAYERS, POS_EMBEDDINGS
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,6 @@ class ModelConfig:
         return self.vocab_size * d + pos + self.n_layers * layer + norm + head
 
 
-POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 MLP_KINDS = ("swiglu", "gelu", "gelu_tanh")
 GLU_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
