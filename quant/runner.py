@@ -10,6 +10,7 @@ export directory via the session config `session.model_external_initializers_fil
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,7 +78,7 @@ class Calibrator:
         rows per weight, every `sample_every`-th real row (AWQ's scale search); with `hessians`, also sums
         x^T x [K, K] over every real row (GPTQ), once per activation shared by several weights."""
         self.directory, self.config = Path(directory), config or SessionConfig()
-        self.engine = Engine.open(self.directory, manifest, SessionConfig(**{**vars(self.config), "stack": False}))
+        self.engine = Engine.open(self.directory, manifest, dataclasses.replace(self.config, stack=False))
         self.hessian_sums: dict[str, np.ndarray] | None = {} if hessians else None   # activation -> X^T X
         self.hessian_of: dict[str, str] = {}                                         # weight -> activation
         self.sample_every, self.sample_rows = max(sample_every, 1), sample_rows
