@@ -10,10 +10,12 @@ for calibration and checks).
     rewrite.py     one ModelProto: MatMul/Gemm -> MatMulNBits | DequantizeLinear+MatMul, Gather -> int8 rows
     tied.py        the tied embedding lookup, sharing the lm_head's quantized table (any bits / block)
     options.py     `edgellm quantize` flags -> QuantPlan
-    calibrate.py   activation scales and Hessians from the fp32 export itself; runner.py runs it
+    calibrate.py   activation scales and Hessians from the fp32 export itself
+    runner.py      logits and weight inputs through the runtime's Engine (its hook feeds probe graphs)
+    onnxedit.py    names in use, dead initializers, opset imports
     storage.py     external data files, each tensor stored once
     export_dir.py  quantize_export: an export directory -> a new quantized one
-    report.py      the per-weight table, KL / top-1 / perplexity
+    report.py      the per-weight table, KL / top-1 (runtime/metrics.py)
 
 Names are imported on first use, so `import edgellm.quant` does not load onnx.
 """

@@ -16,8 +16,8 @@ written exactly like a linear cache.
 That is the "rows" layout. In the "inplace" layout (fused layer graphs, export/fused.py) a layer takes
 `seqlens_k` / `total_len` instead of positions and `past_len`, and its `present_*` is the whole cache with rows
 [past_len, past_len + S) written: bound to the same buffer as `past_*` (the runtime does), the graph writes
-exactly the rows `write_rows` would, in place; run with separate buffers (the diff, the export checks),
-`KVCache.write_present` takes those rows out so they enter the caller's cache through `write_rows` again.
+exactly the rows `write_rows` would, in place. Every caller (the diff, quantize, the export checks, the tests)
+runs graphs through the runtime's Engine, so no other update path exists.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def write_ring(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> N
 
 
 def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
-    """The position inputs of a graph running S = `seq` tokens (real or padding) from position `start`.
+    """The position inputs of a graph running S = `seq` tokens (real or padding) from position `start` (the
+    Engine writes these values in place into the buffers it bound, tests/test_engine_rows.py checks they agree;
+    the embed, stack and model graphs of an absolute position table take the same `positions`).
 
     rows: positions [1, S] (padding positions clamped to max_seq - 1: their rows are never used) and
     past_len [1]; inplace: seqlens_k [1] = start + S - 1 and total_len [] = start + S (int32, as
@@ -63,14 +65,6 @@ def step_feeds(kv_layout: str, start: int, seq: int, max_seq: int) -> dict[str, 
         return {"seqlens_k": np.array([start + seq - 1], np.int32), "total_len": np.array(start + seq, np.int32)}
     positions = np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]
     return {"positions": positions, "past_len": np.array([start], np.int64)}
-
-
-def embed_feeds(embed_positions: bool, start: int, seq: int, max_seq: int) -> dict[str, np.ndarray]:
-    """The embed graph's position input: positions [1, S] from `start` (clamped like step_feeds') for a model
-    with an absolute position table (graphio.Dims.embed_positions), else nothing."""
-    if not embed_positions:
-        return {}
-    return {"positions": np.minimum(np.arange(start, start + seq, dtype=np.int64), max_seq - 1)[None, :]}
 
 
 def plan_calls(n: int, chunk: int, past: int, max_seq: int, kv_layout: str) -> list[tuple[int, int, int]]:
@@ -119,17 +113,6 @@ class KVCache:
         write = write_ring if self.ring[layer] else write_rows
         write(self.keys[layer], key_rows, self.length, count)
         write(self.values[layer], value_rows, self.length, count)
-
-    def write_present(self, layer: int, kv_layout: str, key_out: np.ndarray, value_out: np.ndarray,
-                      count: int) -> None:
-        """`write` from a graph's present_* outputs run with separate buffers: the S new rows themselves (rows),
-        or the whole cache the graph returned, whose rows from the current length on are the new ones (inplace)."""
-        if kv_layout == "inplace" and self.ring[layer]:  # the new rows sit at their ring slots
-            slots = np.arange(self.length, self.length + count) % key_out.shape[2]
-            key_out, value_out = key_out[:, :, slots, :], value_out[:, :, slots, :]
-        elif kv_layout == "inplace":
-            key_out, value_out = key_out[:, :, self.length:, :], value_out[:, :, self.length:, :]
-        self.write(layer, key_out, value_out, count)
 
     def advance(self, count: int) -> None:
         if self.length + count > self.max_seq:  # not need(): its message would be built on every step

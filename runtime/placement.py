@@ -71,8 +71,10 @@ class Placement:
         return frozenset(t.name for t in self.info.external) if not self.prepack else self.info.gathered
 
 
-def _stem(spec: GraphSpec) -> str:
-    return spec.name.rsplit(".", 1)[0]
+def _unit(spec: GraphSpec) -> tuple[str, int | None]:
+    """The unit a graph variant belongs to (both variants of one layer are one unit): from the manifest's
+    role and layer, not from its name."""
+    return spec.role, spec.layer
 
 
 def check_external_data(directory: Path, spec: GraphSpec, info: GraphInfo) -> None:
@@ -96,10 +98,10 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
         check_external_data(directory, g, infos[g.name])
     graphs = [g for g in manifest.graphs if g.role == "head" or (g.role == "stack") == stacked]
     files = {g.name: {t.location for t in infos[g.name].external} for g in graphs}
-    readers: dict[str, set[str]] = {}  # data file -> stems whose graphs read it
+    readers: dict[str, set[tuple[str, int | None]]] = {}  # data file -> units whose graphs read it
     for g in graphs:
         for rel in files[g.name]:
-            readers.setdefault(rel, set()).add(_stem(g))
+            readers.setdefault(rel, set()).add(_unit(g))
     layered = manifest.granularity == "layer"
     prepack: dict[str, bool] = {}
     for g in graphs:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.graphio import MAX_LAYERS, POS_EMBEDDINGS
 
 
 @dataclass(frozen=True)
@@ -214,11 +215,9 @@ class ModelConfig:
         return self.vocab_size * d + pos + self.n_layers * layer + norm + head
 
 
-POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 MLP_KINDS = ("swiglu", "gelu", "gelu_tanh")
 GLU_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
-MAX_LAYERS = 1024  # a corrupt n_layers must not make even a meta-device model build billions of modules
 _TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
                                               "dict[str, Any]": dict}
 _JSON_NAMES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
