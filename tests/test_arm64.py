@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ pytestmark = [
 
 def test_greedy_tokens_on_aarch64_equal_the_host(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "bench" / "arm64_check.sh"), str(tmp_path)], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "ARM64_SANDBOX": str(SANDBOX)})
+                          text=True, timeout=900, env={**os.environ, "ARM64_SANDBOX": str(SANDBOX), "PYTHON": sys.executable})
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report[-3000:]
     names = (tmp_path / "exports").iterdir()
