@@ -15,8 +15,7 @@ differ (shape targets of `Reshape`, the S of `total_len - S`). Merging requires 
   - the value S itself ([] or [1]): computed in the graph as Shape(first S input)[1], cast to its type.
 Anything else is refused (an internal error): a merged graph must compute what each variant computes.
   inputs / outputs  the variants' names; dim 1 symbolic ("S") where the variants differ (tokens, hidden)
-Manifest format 5 (`graphs[].paired`); formats 3-4 paired graphs are `If` graphs with the input `decode`,
-which the runtime still reads (graphio.selector_feeds).
+Manifest `graphs[].paired` (since format 5; the `If` graphs of formats 3-4 are no longer read).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.graphio import selector_feeds
 from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.session import SessionConfig, session_options
@@ -116,7 +115,7 @@ class ExportRunner:
         if key not in self.graphs:  # an S = 1 graph, opened the first time the call plan needs it
             self.graphs[key] = _Graph(self.directory, spec.file, self.capture, self.config)
         graph = self.graphs[key]
-        out = graph.run(feeds | selector_feeds(spec.selector, key[2]))
+        out = graph.run(feeds)
         summed: set[str] = set()
         for weight, act in graph.weights.items():
             x = out[act]

@@ -29,7 +29,6 @@ import numpy as np
 
 from .errors import EdgeError
 from .fileio import safe_join
-from .graphio import selector_feeds
 from .kvcache import KVCache, plan_calls
 from .manifest import Manifest
 from .placement import plan
@@ -172,7 +171,6 @@ class Engine:
             outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
                        f"present_value.{i}": present[1]}
             session, spec = self._session("layer", seq, i)
-            inputs |= selector_feeds(spec.selector, seq)
             v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.hidden_out = hidden[m.n_layers % 2]
 
@@ -187,7 +185,6 @@ class Engine:
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
         session, spec = self._session("stack", seq)
-        inputs |= selector_feeds(spec.selector, seq)
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
 
     def _embed_positions(self, v: _Variant) -> dict[str, np.ndarray]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from .errors import need
 from .jsoncheck import is_int
 
@@ -94,16 +92,6 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
                 head_dim, pos != "rope", rows)
 
 
-# A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
-# this input (true: the S = 1 branch). Format 5's paired graphs are one graph with S symbolic: no selector.
-SELECTOR = TensorSpec("decode", (), "bool")
-
-
-def selector_feeds(selector: bool, seq: int) -> dict:
-    """The extra feed a graph variant needs: {"decode": bool array} for a graph with a selector, else nothing."""
-    return {SELECTOR.name: np.array(seq == 1)} if selector else {}
-
-
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
     """(graph name, .onnx file, external-data file) in the standard layout: ("layer_3.decode", ...)."""
     stem = f"layer_{layer}" if role == "layer" else role
@@ -147,12 +135,11 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
 
 
-def check_io(role: str, seq: int, layer: int | None, selector: bool,
+def check_io(role: str, seq: int, layer: int | None,
              io: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], dims: Dims, where: str) -> None:
-    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order), plus `decode` for a
-    graph with a selector; EdgeError naming `where` and the tensor otherwise."""
+    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order); EdgeError naming
+    `where` and the tensor otherwise."""
     want_in, want_out = graph_io(role, seq, layer, dims)
-    want_in += (SELECTOR,) if selector else ()
     for side, got, want in (("inputs", io[0], want_in), ("outputs", io[1], want_out)):
         need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
              f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")

@@ -12,7 +12,6 @@ import onnxruntime as ort
 import torch
 
 from edgellm.model import Decoder, ModelConfig
-from edgellm.runtime.graphio import selector_feeds
 from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import read_manifest
 
@@ -73,8 +72,7 @@ def _step(sess: dict, manifest, cache: KVCache, tokens: Sequence[int], seq: int)
         for i in range(manifest.n_layers):
             hidden, k, v = sess[f"layer_{i}.{kind}"].run(
                 ["hidden_out", f"present_key.{i}", f"present_value.{i}"],
-                {"hidden": hidden, **position, f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i],
-                 **selector_feeds(manifest.graph("layer", seq, i).selector, seq)})
+                {"hidden": hidden, **position, f"past_key.{i}": cache.keys[i], f"past_value.{i}": cache.values[i]})
             cache.write_present(i, layout, k, v, n)
         logits = sess[f"head.{kind}"].run(["logits"], {"hidden": hidden})[0]
     cache.advance(n)

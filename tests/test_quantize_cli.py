@@ -146,10 +146,10 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
                                                                      for g in fp32.graphs]
         # ... and the embedding + every layer once more as the stack graph, paired in stack.onnx
         stack = [g for g in m.graphs if g.role == "stack"]
-        assert [(g.name, g.file, g.data, g.paired, g.selector) for g in stack] == [
-            ("stack.prefill", "stack.onnx", None, True, False), ("stack.decode", "stack.onnx", None, True, False)]
+        assert [(g.name, g.file, g.data, g.paired) for g in stack] == [
+            ("stack.prefill", "stack.onnx", None, True), ("stack.decode", "stack.onnx", None, True)]
         layers = [g for g in m.graphs if g.role == "layer"]
-        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and not g.selector for g in layers)
+        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" for g in layers)
         assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]

@@ -21,7 +21,6 @@ import onnxruntime as ort
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.generator import Generator
-from edgellm.runtime.graphio import selector_feeds
 from edgellm.runtime.kvcache import KVCache, embed_feeds, plan_calls, step_feeds
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.placement import Placement, plan
@@ -65,7 +64,6 @@ class ExportRunner:
     def _run(self, role: str, seq: int, layer: int | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec = self.manifest.graph(role, seq, layer)
         names = [t.name for t in spec.outputs]
-        feeds = feeds | selector_feeds(spec.selector, seq)
         return dict(zip(names, self._session(spec).run(names, feeds), strict=True))
 
     def step(self, cache: KVCache, ids: list[int], seq: int, capture: dict[str, list] | None = None) -> np.ndarray:
