@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.layout.stacking import STACK_FILE, check_stack, write_stack
 from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
@@ -36,7 +37,6 @@ from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .memory import release_memory
 from .options import ExportOptions
-from .stacking import STACK_FILE, check_stack, write_stack
 from .tokenizer_files import (
     CHAT_TEMPLATE,
     TOKENIZER_KINDS,

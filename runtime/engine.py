@@ -2,7 +2,7 @@
 
 Two layouts (manifest `granularity`):
 - "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1; or,
-  when the export has a stack graph (export/stacking.py) and `SessionConfig.stack`, stack -> head.
+  when the export has a stack graph (edgellm/layout/stacking.py) and `SessionConfig.stack`, stack -> head.
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
@@ -51,7 +51,7 @@ TABLE_INTERVAL_S = 0.05
 
 
 def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
-    """Whether an Engine runs the export's stack graph (export/stacking.py) rather than embed + layers."""
+    """Whether an Engine runs the export's stack graph (edgellm/layout/stacking.py) rather than embed + layers."""
     return manifest.granularity == "layer" and manifest.has_stack and config.stack
 
 

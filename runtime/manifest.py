@@ -6,7 +6,7 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      S = prefill_chunk and S = 1, sharing one external-data file; `kv_layout` "rows" (graphs return the S new
      rows) or "inplace" (layer graphs take seqlens_k/total_len and write the whole cache in place;
      runtime/kvcache.py); `paired` graphs (both variants of an inplace layer or of the stack in one graph whose
-     S dim is symbolic, export/pairing.py); the optional role "stack" (the embedding and every layer in one
+     S dim is symbolic, edgellm/layout/pairing.py); the optional role "stack" (the embedding and every layer in one
      graph); `eos_ids` (every token id that ends generation, `eos_id` first); `tokenizer` {file, kind
      ("hf" | "llama2c"), chat_template (a Jinja file or null), add_bos (whether a text prompt gets `bos_id`
      in front, export/bos_rule.py)}; `kv_head_dim` (the cache row width of zero-padded heads, export/fused.py,
@@ -62,7 +62,7 @@ class GraphSpec:
                               # graph reads the embed and layer data files: null
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    paired: bool = False      # the file holds both variants: one graph, S symbolic (export/pairing.py)
+    paired: bool = False      # the file holds both variants: one graph, S symbolic (edgellm/layout/pairing.py)
 
 
 @dataclass(frozen=True)

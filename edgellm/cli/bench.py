@@ -57,7 +57,7 @@ def _contexts(args: argparse.Namespace, max_seq: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgellm.benchmarks import bench_edgellm, bench_torch, format_table, ratios
+    from edgellm.cli.bench_measure import bench_edgellm, bench_torch, format_table, ratios
     from edgellm.runtime.errors import need
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
