@@ -126,9 +126,9 @@ class Generator:
         manifest = read_manifest(directory, verify=verify)
         tokenizer = None
         if manifest.tokenizer is not None:
-            path = safe_join(directory, manifest.tokenizer["file"])
-            ids = {} if path.suffix == ".bin" else {"bos_id": manifest.bos_id, "eos_id": manifest.eos_id}
-            tokenizer = load_tokenizer(path, manifest.vocab_size, **ids)
+            tokenizer = load_tokenizer(safe_join(directory, manifest.tokenizer["file"]), manifest.vocab_size,
+                                       kind=manifest.tokenizer["kind"], bos_id=manifest.bos_id,
+                                       eos_id=manifest.eos_id)
         template = None
         if manifest.tokenizer is not None and manifest.tokenizer["chat_template"] is not None:
             template = ChatTemplate.from_file(safe_join(directory, manifest.tokenizer["chat_template"]),

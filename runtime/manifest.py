@@ -38,6 +38,7 @@ from .graphio import KV_LAYOUTS, Dims, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
+from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
 FORMAT_VERSION = 8
@@ -79,7 +80,7 @@ class Manifest:
     opset: int
     graphs: tuple[GraphSpec, ...]
     files: dict[str, FileSpec]                   # every file but manifest.json, by relative path
-    tokenizer: dict | None = None                # {"file": relpath, "kind": str, "chat_template": relpath | None,
+    tokenizer: dict | None = None                # {"file": relpath, "kind": "hf" | "llama2c", "chat_template": relpath | None,
                                                  #  "add_bos": bool}
     bos_id: int | None = None
     eos_id: int | None = None
@@ -203,8 +204,8 @@ class Manifest:
                  f"tokenizer: expected keys {', '.join(map(repr, TOKENIZER_KEYS))}")
             file, template = self.tokenizer["file"], self.tokenizer["chat_template"]
             need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
-            need(isinstance(self.tokenizer["kind"], str) and bool(self.tokenizer["kind"]),
-                 "tokenizer.kind: expected a non-empty string")
+            need(self.tokenizer["kind"] in TOKENIZER_FILES,
+                 f"tokenizer.kind: expected one of {', '.join(TOKENIZER_FILES)}, got {self.tokenizer['kind']!r:.40}")
             need(template is None or (isinstance(template, str) and template in self.files),
                  f"tokenizer.chat_template: {template!r} is not listed in files")
             need(template is None or self.tokenizer["kind"] == "hf",
