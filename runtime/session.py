@@ -55,7 +55,7 @@ class SessionConfig:
         # each session gets its own pool of `threads`: an absurd count would start that many OS threads N + 2
         # times over (a fuzzed --threads 100000 loaded the machine for minutes)
         need(self.threads is None or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
-             f"--threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
+             f"threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
         need(self.prepack_prefill in (None, True, False),
              f"prepack_prefill: expected true, false or null, got {self.prepack_prefill!r}")
         need(self.optimization in _LEVELS,

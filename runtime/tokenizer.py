@@ -89,5 +89,5 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None, *, kind: Tok
              f"{path}: tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size {vocab_size}")
         return tok
     need(kind == "llama2c", f"{path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(TOKENIZER_FILES)})")
-    need(vocab_size is not None and vocab_size > 0, f"{path}: a llama2.c tokenizer.bin needs the model's vocab size (vocab_size)")
+    need(vocab_size is not None and vocab_size > 0, f"{path}: a llama2.c tokenizer.bin needs the model's vocab size (`vocab_size`)")
     return Llama2cTokenizer(path, vocab_size)

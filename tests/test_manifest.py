@@ -195,7 +195,7 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d["tokenizer"].update(add_bos="yes"), "tokenizer.add_bos: expected true or false, got 'yes'"),
     (lambda d: d.update(bos_id=None), "tokenizer.add_bos: true needs a bos_id"),
     (lambda d: d["tokenizer"].update(kind="spm"), "tokenizer.kind: expected one of hf, llama2c, got 'spm'"),
-    (lambda d: d.update(sampler={"top_p": 2}), "sampler: --top-p"),
+    (lambda d: d.update(sampler={"top_p": 2}), "sampler: top_p: expected"),
     (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
     (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),
 ])

@@ -241,7 +241,7 @@ def test_llama2c_corrupt_files(tmp_path: Path) -> None:
         load_tokenizer(no_bytes, vocab_size=259)
     with pytest.raises(EdgeError, match="truncated"):  # the model claims more tokens than the file holds
         load_tokenizer(tmp_path / "good.bin", vocab_size=len(pieces) + 1)
-    with pytest.raises(EdgeError, match=r"needs the model's vocab size \(vocab_size\)"):
+    with pytest.raises(EdgeError, match=r"needs the model's vocab size \(`vocab_size`\)"):
         load_tokenizer(tmp_path / "good.bin")
 
 

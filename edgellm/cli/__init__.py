@@ -29,11 +29,44 @@ VERBS = {
 }
 
 
+# Runtime (Python API) parameters whose errors reach the CLI: an EdgeError that starts with `name:` (or names
+# `name` in backticks) is printed with the flag that set it, --name-with-dashes. The runtime never names flags.
+RUNTIME_PARAMS = ("prompt", "prompt_ids", "truncate", "chat", "stop", "threads", "temperature", "top_k", "top_p",
+                  "min_p", "repetition_penalty", "max_new_tokens", "seed", "vocab_size")
+
+
+def as_flags(message: str) -> str:
+    """An EdgeError's message with the runtime parameters it names as the CLI flags that set them."""
+    for name in RUNTIME_PARAMS:
+        flag = "--" + name.replace("_", "-")
+        message = message.replace(f"`{name}`", flag)
+        if message.startswith(f"{name}:"):
+            message = flag + message[len(name):]
+    return message
+
+
+def integer(text: str) -> int:
+    """argparse `type=` for integer flags: a bad value is the parser's one-line error (exit 2)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    """argparse `type=` for real-number flags (as `integer`)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse's errors as ONE line, exit 2, like every other bad input (no multi-line usage block);
-    subcommand parsers inherit the class."""
+    """argparse's errors as ONE line, exit 2, like every other bad input (no multi-line usage block), the flag
+    first as in every EdgeError ("--top-k: expected an integer, got 'x'"); subcommand parsers inherit the class."""
 
     def error(self, message: str) -> NoReturn:
+        message = message.removeprefix("argument ")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -57,14 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a bad flag (its one line printed, 2), --help or --version (0): a code like any error
+        return int(exc.code or 0)
     try:
         code = args.func(args)
     except BrokenPipeError:  # the reader went away (`edgellm info DIR | head`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except EdgeError as exc:
-        print(f"edgellm {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"edgellm {args.verb}: error: {as_flags(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # the environment (disk full, permissions, a path through a file), not a bug: one line
         where = f"{exc.filename}: " if exc.filename else ""
