@@ -4,9 +4,8 @@ whose sequence dim S is symbolic.
 Why one graph: onnxruntime pre-packs a quantized weight per session, and Python cannot share packed weights
 between sessions, so a prefill and a decode session per layer held two packed copies. Why not the `If` of
 formats 3-4 (both variant graphs as branches, weights in the outer scope): onnxruntime keeps an outer-scope
-weight's raw copy until every branch has packed it, so loading the 0.5B shape's int4 stack peaked 190 MB
-above its steady state (549 vs 360 MB in isolation; one merged graph: 360, each raw weight dropped as soon
-as it is packed), loaded in 0.78 s against 0.48, and decoded 1-2 % slower.
+weight's raw copy until every branch has packed it, so loading peaked far above the steady state, and it
+loaded and decoded slower (docs/benchmarks.md, "Runtime design measurements").
 
 The variants run the same nodes: the exporters build both from one recipe, and only constants holding S
 differ (shape targets of `Reshape`, the S of `total_len - S`). Merging requires exactly that — equal nodes
