@@ -14,13 +14,11 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from edgellm.cli import main
 from edgellm.loaders import load_checkpoint
-from tests.test_loaders_llama2c import NumpyLlama2c, read_v0
+from tests.test_loaders_llama2c import greedy_both, read_v0
 
 TINY = Path(__file__).parent / "data" / "golden_tiny.bin"
 TINY_SHA256 = "e978b1840216a7211f682cedac3d3ad8845f9dad70d57f3c9bcc4f6a0899a56a"
@@ -35,19 +33,8 @@ def test_the_checked_in_checkpoint_is_the_golden_one() -> None:
 def test_pytorch_and_run_c_forward_give_the_golden_tokens() -> None:
     """edgellm's loader + Decoder and an independent numpy forward (run.c's arithmetic) both continue PROMPT
     with GOLDEN."""
-    model = load_checkpoint(TINY).model.eval()
-    ours = list(PROMPT)
-    with torch.no_grad():
-        for _ in GOLDEN:
-            ours.append(int(model(torch.tensor([ours]))[0][0, -1].argmax()))
-    w, sizes = read_v0(TINY)
-    ref = NumpyLlama2c(w, sizes)
-    logits = [ref.step(t, pos) for pos, t in enumerate(PROMPT)][-1]
-    theirs = list(PROMPT)
-    for pos in range(len(PROMPT), len(PROMPT) + len(GOLDEN)):
-        theirs.append(int(np.argmax(logits)))
-        logits = ref.step(theirs[-1], pos)
-    assert ours[len(PROMPT):] == theirs[len(PROMPT):] == GOLDEN
+    ours, theirs = greedy_both(load_checkpoint(TINY).model.eval(), *read_v0(TINY), PROMPT, len(GOLDEN))
+    assert ours == theirs == GOLDEN
 
 
 @pytest.mark.slow

@@ -45,20 +45,17 @@ def as_flags(message: str) -> str:
     return message
 
 
-def integer(text: str) -> int:
-    """argparse `type=` for integer flags: a bad value is the parser's one-line error (exit 2)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+def _number_type(kind: type, what: str):
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    return parse
 
 
-def number(text: str) -> float:
-    """argparse `type=` for real-number flags (as `integer`)."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+# argparse `type=` for every numeric flag: a bad value is the parser's one-line error (exit 2)
+integer, number = _number_type(int, "an integer"), _number_type(float, "a number")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -5,7 +5,7 @@ Why one graph: onnxruntime pre-packs a quantized weight per session, and Python 
 between sessions, so a prefill and a decode session per layer held two packed copies. Why not the `If` of
 formats 3-4 (both variant graphs as branches, weights in the outer scope): onnxruntime keeps an outer-scope
 weight's raw copy until every branch has packed it, so loading peaked far above the steady state, and it
-loaded and decoded slower (docs/benchmarks.md, "Runtime design measurements").
+loaded and decoded slower (docs/benchmarks.md, "History").
 
 The variants run the same nodes: the exporters build both from one recipe, and only constants holding S
 differ (shape targets of `Reshape`, the S of `total_len - S`). Merging requires exactly that — equal nodes
