@@ -7,6 +7,7 @@ see docs/design.md "Graph I/O names".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .errors import need
 from .jsoncheck import is_int
@@ -31,7 +32,7 @@ class Dims:
     dim: int
     vocab_size: int
     max_seq: int
-    kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
+    kv_layout: KVLayout = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
     model_head_dim: int = 0  # the model's head size: the first model_head_dim entries of a cached row are its K/V
     # absolute position embeddings (GPT-2, config pos_embedding learned|sinusoidal, format 8): the embedding reads
     # `positions` [1, S] too (the embed, stack and model graphs), gathering rows of its position table
@@ -43,7 +44,8 @@ class Dims:
         return self.rows[layer] if self.rows else self.max_seq
 
 
-KV_LAYOUTS = ("rows", "inplace")
+KVLayout = Literal["rows", "inplace"]  # manifest `kv_layout` (docs/design.md, "The KV cache")
+KV_LAYOUTS: tuple[KVLayout, ...] = get_args(KVLayout)
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
 
 
@@ -64,7 +66,7 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
     return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq for t in types)
 
 
-def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None,
+def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
                      prefill_chunk: int = 1) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 

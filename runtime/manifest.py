@@ -2,15 +2,10 @@
 
 Format "edgellm-export", versions (bump on any change to graph I/O names, cache layout or file layout;
 readers accept exactly the versions in READS; older ones get a one-line "re-export with this version"):
-  7  embed/layer/head graphs (granularity "layer") or one model graph (granularity "model"), each at
-     S = prefill_chunk and S = 1, sharing one external-data file; `kv_layout` "rows" (graphs return the S new
-     rows) or "inplace" (layer graphs take seqlens_k/total_len and write the whole cache in place;
-     runtime/kvcache.py); `paired` graphs (both variants of an inplace layer or of the stack in one graph whose
-     S dim is symbolic, edgellm/layout/pairing.py); the optional role "stack" (the embedding and every layer in one
-     graph); `eos_ids` (every token id that ends generation, `eos_id` first); `tokenizer` {file, kind
-     ("hf" | "llama2c"), chat_template (a Jinja file or null), add_bos (whether a text prompt gets `bos_id`
-     in front, export/bos_rule.py)}; `kv_head_dim` (the cache row width of zero-padded heads, export/fused.py,
-     or null: the model's head_dim). Every file listed with sha256 and byte size.
+  7  embed/layer/head graphs (or one model graph) at S = prefill_chunk and S = 1 sharing one data file,
+     `kv_layout` rows | inplace, `paired` graphs (one graph, S symbolic: edgellm/layout/pairing.py), the
+     optional "stack", `eos_ids`, `tokenizer` {file, kind hf | llama2c, chat_template, add_bos} and
+     `kv_head_dim` (docs/design.md, "Export directory"). Every file listed with sha256 and byte size.
   8  models with absolute position embeddings (GPT-2 / seed 004: `config.pos_embedding` "learned" or "sinusoidal";
      graphio.Dims.embed_positions): the embed, stack and model graphs take `positions` [1, S] int64 (absolute
      positions of the S rows, padding clamped to max_seq - 1) and gather their position table's rows; their layer
@@ -31,10 +26,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, Dims, TensorSpec, check_io, dims_from_config
+from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
@@ -44,6 +40,7 @@ FORMAT = "edgellm-export"
 FORMAT_VERSION = 8
 READS = (7, 8)  # the versions this reader accepts (1-6: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
+Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
 TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
@@ -73,8 +70,8 @@ class Manifest:
     edgellm_version: str
     preset: str | None
     config: dict                                 # ModelConfig fields, as plain JSON
-    granularity: str                             # "layer" | "model"
-    kv_layout: str                               # "rows" | "inplace" (runtime/kvcache.py)
+    granularity: Granularity
+    kv_layout: KVLayout                          # runtime/kvcache.py
     max_seq: int
     prefill_chunk: int
     opset: int

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -48,7 +49,7 @@ class SessionConfig:
     prepack_prefill: bool | None = None
     spinning: bool = False           # let idle pool threads spin (faster only when nothing else runs)
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
-    optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
+    optimization: Literal["disable", "basic", "extended", "all"] = "all"  # graph optimisation level
     stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
 
     def validate(self) -> None:

@@ -1,11 +1,9 @@
 """Golden greedy outputs of a tiny llama2.c checkpoint checked into tests/data (runs in any clone).
 
-golden_tiny.bin (18.8 KB, llama2.c legacy v0): dim 16, hidden 24, 2 layers, 2 heads / 1 kv head, vocab 32,
-seq_len 32, tied classifier; weights N(0, 0.5) and norm gains 1 + N(0, 0.3) from numpy's default_rng(9), the
-seed out of 40 whose greedy continuation varied most. Its bytes are the reference now (sha256 pinned), and
-GOLDEN was computed once from it and pasted in: a change anywhere in loading, the PyTorch decoder, export or
-the runtime that alters a greedy token fails here. (stories260K's real-weight checks stay in
-test_loaders_llama2c / test_quant_quality, which need ../shared/.)
+golden_tiny.bin (18.8 KB, llama2.c v0: dim 16, hidden 24, 2 layers, 2 heads / 1 kv head, vocab 32, seq_len 32,
+tied; weights N(0, 0.5), norm gains 1 + N(0, 0.3), numpy default_rng(9)) is the reference (sha256 pinned); GOLDEN
+was computed once from it: a change in loading, the decoder, export or the runtime that alters a greedy token
+fails here. (stories260K's real-weight checks stay in test_loaders_llama2c / test_quant_quality: ../shared/.)
 """
 
 from __future__ import annotations
