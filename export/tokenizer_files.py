@@ -26,8 +26,6 @@ def check_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer | None:
     than the vocabulary, must fail here rather than ship inside an export that verifies but cannot run a prompt."""
     if path is None:
         return None
-    path = Path(path)
-    need(path.is_file(), f"{path}: tokenizer file not found")
     return load_tokenizer(path, cfg.vocab_size, kind=tokenizer_kind(path), bos_id=cfg.bos_id, eos_id=cfg.eos_id)
 
 

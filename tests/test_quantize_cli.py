@@ -310,7 +310,7 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--format", "qdq"], "--format"), (["--bits", "8", "--int8-layers", "0"], "--int8-layers"),
     (["--bits", "4", "--int8-layers", "2"], "--int8-layers"), (["--bits", "4", "--keep", "layer.0.*"], "--keep"),
     (["--bits", "4", "--accuracy-level", "2"], "--accuracy-level"),
-    (["--bits", "4", "--int8-layers", "0,,1"], "--int8-layers: expected comma-separated layer indices"),
+    (["--bits", "4", "--int8-layers", "0,,1"], "--int8-layers: expected comma-separated integers, got '0,,1'"),
     (["--bits", "4", "--kl-budget", "low"], "--kl-budget: expected a number, got 'low'"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:

@@ -250,8 +250,7 @@ def test_the_kind_not_the_file_name_decides(tmp_path: Path, l2c: Llama2cTokenize
     only a file a user names is known by its suffix."""
     pieces, scores = llama2c_vocab()
     odd = write_bin(tmp_path / "vocab.model", pieces, scores)
-    tok = load_tokenizer(odd, len(pieces), kind="llama2c")
-    assert tok.encode("hello world") == l2c.encode("hello world")
+    assert load_tokenizer(odd, len(pieces), kind="llama2c").encode("hello world") == l2c.encode("hello world")
     with pytest.raises(EdgeError, match="unknown tokenizer file"):
         load_tokenizer(odd, len(pieces))
     with pytest.raises(EdgeError, match="unknown tokenizer kind 'sentencepiece'"):

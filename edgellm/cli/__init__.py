@@ -45,10 +45,10 @@ def as_flags(message: str) -> str:
     return message
 
 
-def _number_type(kind: type, what: str):
+def _number_type(convert, what: str):
     def parse(text: str):
         try:
-            return kind(text)
+            return convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     return parse
@@ -56,6 +56,7 @@ def _number_type(kind: type, what: str):
 
 # argparse `type=` for every numeric flag: a bad value is the parser's one-line error (exit 2)
 integer, number = _number_type(int, "an integer"), _number_type(float, "a number")
+integers = _number_type(lambda text: [int(x) for x in text.split(",")], "comma-separated integers")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import integer, number
+from . import integer, integers, number
 from .run import PREFILL_WEIGHTS, add_pool_flag, add_prefill_weights_flag, shared_pool
 
 JSON_SCHEMA = "edgellm-bench"
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=integer, default=2, help="onnxruntime (and torch) threads (default 2)")
     p.add_argument("--runs", type=integer, default=3, help="timed runs per context after one warm-up (default 3)")
     p.add_argument("--new-tokens", type=integer, default=128, help="new tokens per run (default 128)")
-    p.add_argument("--contexts", type=_lengths, help="comma-separated prompt lengths (default: 64 and a long one)")
+    p.add_argument("--contexts", type=integers, help="comma-separated prompt lengths (default: 64 and a long one)")
     p.add_argument("--vs-torch", type=Path, metavar="CHECKPOINT",
                    help="also run this checkpoint's PyTorch model and print the ratios")
     add_prefill_weights_flag(p)
@@ -39,13 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pool_flag(p, "bench")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-bench v1)")
     p.set_defaults(func=run)
-
-
-def _lengths(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _contexts(args: argparse.Namespace, max_seq: int) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edgellm.runtime.errors import need
 
-from . import integer, number
+from . import integer, integers, number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
-    p.add_argument("--int8-layers", type=_layers, default=(), metavar="LIST",
+    p.add_argument("--int8-layers", type=integers, default=[], metavar="LIST",
                    help="with --bits 4: these layers' linears int8 (groups of 64), e.g. 0,-1 (first and last)")
     p.add_argument("--accuracy-level", type=integer, default=4, metavar="{0,1,4}",
                    help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
@@ -71,21 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _layers(text: str) -> tuple[int, ...]:
-    """--int8-layers: comma-separated layer indices (negative from the end), each once."""
-    try:
-        return tuple(dict.fromkeys(int(t) for t in text.split(",")))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 0,-1, got {text!r}") from None
-
-
 def options_from_args(args: argparse.Namespace):
     from edgellm.quant.options import QuantizeOptions
 
     options = QuantizeOptions(
         bits=args.bits, group_size=args.group_size,
         symmetric=args.symmetric, format=args.format, method=args.method, embeddings=args.embeddings,
-        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=args.int8_layers,
+        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=tuple(dict.fromkeys(args.int8_layers)),
         accuracy_level=args.accuracy_level, calibration_tokens=args.calibration_tokens, seed=args.seed,
         act_order=args.act_order, int8_fraction=args.int8_fraction)
     options.validate()
