@@ -29,14 +29,14 @@ VERBS = {
 }
 
 
-# Runtime (Python API) parameters whose errors reach the CLI: an EdgeError that starts with `name:` (or names
-# `name` in backticks) is printed with the flag that set it, --name-with-dashes. The runtime never names flags.
+# Runtime (Python API) parameters whose errors reach the CLI; the runtime never names flags.
 RUNTIME_PARAMS = ("prompt", "prompt_ids", "truncate", "chat", "stop", "threads", "temperature", "top_k", "top_p",
                   "min_p", "repetition_penalty", "max_new_tokens", "seed", "vocab_size")
 
 
 def as_flags(message: str) -> str:
-    """An EdgeError's message with the runtime parameters it names as the CLI flags that set them."""
+    """An EdgeError's message with the runtime parameters it names (`name:` first, or `name` in backticks) as
+    the CLI flags that set them (--name-with-dashes)."""
     for name in RUNTIME_PARAMS:
         flag = "--" + name.replace("_", "-")
         message = message.replace(f"`{name}`", flag)
