@@ -67,7 +67,7 @@ def genai_child(model_dir: str, contexts: list[int], new_tokens: int, runs: int,
     """Runs inside a child process: the workload through onnxruntime-genai."""
     import onnxruntime_genai as og
 
-    from edgellm.benchmarks import bench_prompt, timed_runs
+    from edgellm.cli.bench_measure import bench_prompt, timed_runs
     from edgellm.runtime.stats import peak_rss_mb
 
     model = og.Model(model_dir)

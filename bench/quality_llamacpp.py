@@ -93,7 +93,7 @@ def logits(path: Path, ids: list[int], threads: int) -> np.ndarray:
 def decode_speed(path: Path, threads: int, prompt: int = 64, new: int = 128, runs: int = 3) -> float:
     """Greedy decode tok/s after a `prompt`-token prefill of `edgellm bench`'s pseudo-random ids, one warm-up
     then the median of `runs`; timed: one eval per new token plus the argmax over its logits."""
-    from edgellm.benchmarks import bench_prompt
+    from edgellm.cli.bench_measure import bench_prompt
 
     llm = _open(path, prompt + new, threads, logits_all=False)
     ids = bench_prompt(prompt, llm.n_vocab())

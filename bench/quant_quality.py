@@ -94,7 +94,7 @@ def eval_sequences(name: str, fp32: Path, n_tokens: int, text_file: Path) -> lis
     from edgellm.train.corpus import generate_corpus
 
     m = read_manifest(fp32)
-    tok = load_tokenizer(fp32 / m.tokenizer["file"], m.vocab_size, bos_id=m.bos_id, eos_id=m.eos_id)
+    tok = load_tokenizer(fp32 / m.tokenizer["file"], m.vocab_size, kind=m.tokenizer["kind"], bos_id=m.bos_id, eos_id=m.eos_id)
     stories = generate_corpus(400, seed=4242)
     text_file.write_text("\n\n".join(stories[:40]) + "\n", encoding="utf-8")    # for `edgellm diff --text`
     sequences, total = [], 0

@@ -4,13 +4,11 @@
     graphs.py     the units (embed, layers, head or the whole model) and their graphs' I/O
     trace.py, fused.py, rewrite.py   a unit -> ONNX: torch.onnx, then onnxruntime's fused kernels
     unit.py, datafile.py, verify.py  one unit's variants written, their shared data file, parity vs PyTorch
-    pairing.py    a graph's prefill and decode variants merged into one graph (S symbolic)
-    stacking.py   the embedding and every layer as one graph (the runtime's 2-runs-per-token path)
     e2e.py        end-to-end check through the runtime's cache rule; journal.py: resumable exports
     exporter.py   export_model: all of the above into an export directory
     tokenizer_files.py, bos_rule.py   the tokenizer, chat template, end ids and BOS rule an export ships
 
-Names are imported on first use, so the graph-layout modules (pairing, stacking; onnx only) load without torch.
+Pairing and stacking (shared with quant) live in edgellm.layout. Names are imported on first use.
 """
 
 from __future__ import annotations

@@ -24,13 +24,14 @@ import json
 from pathlib import Path
 
 from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.tokenizer import tokenizer_kind
 
 
 def add_bos_rule(tokenizer_path: Path, bos_id: int | None = None) -> bool:
     """Whether text prompts get BOS in front, as the tokenizer file defines it (see the module docstring).
     With `bos_id`, a prefix that is not exactly that one id is an EdgeError naming both."""
     path = Path(tokenizer_path)
-    if path.suffix == ".bin":  # llama2.c
+    if tokenizer_kind(path) == "llama2c":
         return True
     prefix, _ = post_processor_affixes(path)
     if not prefix:
@@ -57,7 +58,7 @@ def rule_notes(tokenizer_path: Path, add_bos: bool) -> list[str]:
     """What export tells the user about the rule: tokens appended after the text that a prompt will not get,
     and a tokenizer_config.json `add_bos_token` that disagrees with the rule (transformers ignores it too)."""
     path = Path(tokenizer_path)
-    if path.suffix != ".json":
+    if tokenizer_kind(path) != "hf":
         return []
     notes = []
     _, suffix = post_processor_affixes(path)

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.layout.stacking import STACK_FILE, check_stack, write_stack
 from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
@@ -28,6 +29,7 @@ from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
 from edgellm.runtime.graphio import dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
+from edgellm.runtime.tokenizer import TOKENIZER_FILES, tokenizer_kind
 
 from .bos_rule import add_bos_rule, rule_notes
 from .e2e import check_end_to_end
@@ -36,10 +38,8 @@ from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .memory import release_memory
 from .options import ExportOptions
-from .stacking import STACK_FILE, check_stack, write_stack
 from .tokenizer_files import (
     CHAT_TEMPLATE,
-    TOKENIZER_KINDS,
     check_chat_template,
     check_tokenizer,
     eos_ids,
@@ -123,7 +123,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
              for rec in records.values() for rel, sha in rec.files.items()}
     tok_entry = None
     if tokenizer is not None:
-        rel, kind = TOKENIZER_KINDS[Path(tokenizer).suffix]
+        kind = tokenizer_kind(tokenizer)
+        rel = TOKENIZER_FILES[kind]
         shutil.copyfile(tokenizer, partial / rel)
         if template is not None:
             (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")

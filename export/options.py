@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
+from edgellm.runtime.manifest import Granularity
 
-GRANULARITIES = ("layer", "model")
-ATTENTIONS = ("fused", "standard")
+Attention = Literal["fused", "standard"]
+GRANULARITIES: tuple[Granularity, ...] = get_args(Granularity)
+ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 # The dynamo exporter emits opset 18+; onnxruntime 1.22 (the oldest the board install allows) runs up to 21.
 OPSETS = range(18, 22)
 
@@ -18,11 +20,11 @@ OPSETS = range(18, 22)
 class ExportOptions:
     max_seq: int = 512         # static context: the KV-cache buffers are [1, n_kv, max_seq, hd]
     prefill_chunk: int = 32    # S of the prefill graphs (decode graphs have S = 1)
-    granularity: str = "layer"  # "layer": embed + one graph per layer + head; "model": one graph
+    granularity: Granularity = "layer"  # "layer": embed + one graph per layer + head; "model": one graph
     # "fused": layers hand-built from onnxruntime's fused kernels (GroupQueryAttention, ...; export/fused.py);
     # "standard": traced standard ONNX ops only, for toolchains without com.microsoft ops. The model graph
     # (granularity "model") is always traced.
-    attention: str = "fused"
+    attention: Attention = "fused"
     atol: float = 1e-4         # max |onnxruntime - PyTorch| / max(1, max |PyTorch|) on any graph output
     opset: int = 20
     seed: int = 0              # of the verification inputs

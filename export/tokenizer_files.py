@@ -14,11 +14,10 @@ from pathlib import Path
 from edgellm.model import ModelConfig
 from edgellm.runtime.chat import ChatTemplate, read_text
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from edgellm.runtime.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_kind
 
 from .bos_rule import add_bos_rule as add_bos_rule  # whether text prompts get BOS (bos_rule.py)
 
-TOKENIZER_KINDS = {".json": ("tokenizer.json", "hf"), ".bin": ("tokenizer.bin", "llama2c")}
 CHAT_TEMPLATE = "chat_template.jinja"  # its name in an export
 
 
@@ -27,16 +26,12 @@ def check_tokenizer(path: Path | None, cfg: ModelConfig) -> Tokenizer | None:
     than the vocabulary, must fail here rather than ship inside an export that verifies but cannot run a prompt."""
     if path is None:
         return None
-    path = Path(path)
-    need(path.is_file(), f"{path}: tokenizer file not found")
-    need(path.suffix in TOKENIZER_KINDS, f"{path}: expected a tokenizer.json or tokenizer.bin")
-    ids = {} if path.suffix == ".bin" else {"bos_id": cfg.bos_id, "eos_id": cfg.eos_id}
-    return load_tokenizer(path, cfg.vocab_size, **ids)
+    return load_tokenizer(path, cfg.vocab_size, kind=tokenizer_kind(path), bos_id=cfg.bos_id, eos_id=cfg.eos_id)
 
 
 def find_chat_template(tokenizer_path: Path | None) -> tuple[str, str] | None:
     """(template text, where it came from) beside a tokenizer.json, or None if the model has none."""
-    if tokenizer_path is None or Path(tokenizer_path).suffix != ".json":
+    if tokenizer_path is None or tokenizer_kind(tokenizer_path) != "hf":
         return None
     folder = Path(tokenizer_path).parent
     jinja = folder / CHAT_TEMPLATE

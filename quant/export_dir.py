@@ -4,8 +4,8 @@ Per unit (head, embed, layer_i | model), both variants: load the graph with its 
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
 bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
-(export/pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
-paired stack graph that reads the same data files (export/stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
+(edgellm/layout/pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
+paired stack graph that reads the same data files (edgellm/layout/stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
 the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
 copied, every file hashed, an optional check of the logits against the fp32 export, manifest.json written
 last, and the directory renamed into place (`atomic_dir`): a crash leaves no half-written output.
@@ -24,8 +24,8 @@ import onnx
 from tqdm import tqdm
 
 from edgellm import __version__
-from edgellm.export.pairing import pair_layer
-from edgellm.export.stacking import check_stack, write_stack
+from edgellm.layout.pairing import pair_layer
+from edgellm.layout.stacking import check_stack, write_stack
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
@@ -186,7 +186,7 @@ def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
-    (export/pairing.py: one session, one packed copy of the weights at run time)."""
+    (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time)."""
     store = DataStore(tmp)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)

@@ -20,6 +20,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -37,7 +38,8 @@ from .schemes import (
     to_matmulnbits,
 )
 
-FORMATS = ("fast", "portable")
+Format = Literal["fast", "portable"]  # MatMulNBits (onnxruntime) | DequantizeLinear + MatMul (any runtime)
+FORMATS: tuple[Format, ...] = get_args(Format)
 # Measured (x86 dev VM, ORT 1.31, [1,1,768] x [768,2048], 1 thread, median us, levels 0/1/4): int4 g32
 # 138/136/44, int4 g128 141/139/36, int8 g32 ~2700/2683/63, int8 g256 1794/2020/51; fp32 MatMul 275.
 # Level 4 (int8 activations per block) is 3-4x faster for int4 and ~40x for int8 (x86 has no fp32-activation

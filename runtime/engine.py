@@ -2,7 +2,7 @@
 
 Two layouts (manifest `granularity`):
 - "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1; or,
-  when the export has a stack graph (export/stacking.py) and `SessionConfig.stack`, stack -> head.
+  when the export has a stack graph (edgellm/layout/stacking.py) and `SessionConfig.stack`, stack -> head.
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
@@ -35,7 +35,6 @@ import numpy as np
 
 from .errors import EdgeError
 from .fileio import safe_join
-from .graphio import selector_feeds
 from .kvcache import KVCache, plan_calls
 from .manifest import GraphSpec, Manifest
 from .placement import plan
@@ -76,7 +75,7 @@ Hook = Callable[[GraphRun], None]
 
 
 def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
-    """Whether an Engine runs the export's stack graph (export/stacking.py) rather than embed + layers."""
+    """Whether an Engine runs the export's stack graph (edgellm/layout/stacking.py) rather than embed + layers."""
     return manifest.granularity == "layer" and manifest.has_stack and config.stack
 
 
@@ -186,8 +185,7 @@ class Engine:
               outputs: dict[str, np.ndarray]) -> None:
         """Open (or share) the graph's session, bind its buffers and append it to the variant."""
         session, spec = self._session(role, seq, layer)
-        v.graphs.append(BoundGraph(session, inputs | selector_feeds(spec.selector, seq), outputs, self.clock,
-                                   spec.name))
+        v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.specs.append(spec)
 
     def _bind_layers(self, v: _Variant) -> None:

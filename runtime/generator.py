@@ -126,9 +126,9 @@ class Generator:
         manifest = read_manifest(directory, verify=verify)
         tokenizer = None
         if manifest.tokenizer is not None:
-            path = safe_join(directory, manifest.tokenizer["file"])
-            ids = {} if path.suffix == ".bin" else {"bos_id": manifest.bos_id, "eos_id": manifest.eos_id}
-            tokenizer = load_tokenizer(path, manifest.vocab_size, **ids)
+            tokenizer = load_tokenizer(safe_join(directory, manifest.tokenizer["file"]), manifest.vocab_size,
+                                       kind=manifest.tokenizer["kind"], bos_id=manifest.bos_id,
+                                       eos_id=manifest.eos_id)
         template = None
         if manifest.tokenizer is not None and manifest.tokenizer["chat_template"] is not None:
             template = ChatTemplate.from_file(safe_join(directory, manifest.tokenizer["chat_template"]),
@@ -142,19 +142,19 @@ class Generator:
         """Token ids for a prompt: text is tokenized (BOS in front when `fresh` and the export's rule adds one),
         ids are checked and used as given."""
         if isinstance(prompt, str):
-            need(prompt != "", "--prompt: expected a non-empty prompt")
+            need(prompt != "", "prompt: expected a non-empty prompt")
             need(self.tokenizer is not None,
-                 f"--prompt: {self.directory} has no tokenizer; pass token ids (--prompt-ids)")
+                 f"prompt: {self.directory} has no tokenizer; pass token ids (`prompt_ids`)")
             ids = self.tokenizer.encode(prompt)
             bos = [self.bos_id] if fresh and self.add_bos else []
             ids = bos + ids
-            need(len(ids) > 0, "--prompt: the prompt encodes to no tokens")
+            need(len(ids) > 0, "prompt: the prompt encodes to no tokens")
             return ids
         ids = [int(i) for i in prompt]
-        need(len(ids) > 0, "--prompt-ids: expected at least one token id")
+        need(len(ids) > 0, "prompt_ids: expected at least one token id")
         v = self.manifest.vocab_size
         bad = [i for i in ids if not 0 <= i < v]
-        need(not bad, f"--prompt-ids: token ids must be in [0, {v}), got {bad[:5]}")
+        need(not bad, f"prompt_ids: token ids must be in [0, {v}), got {bad[:5]}")
         return ids
 
     @property
@@ -175,8 +175,8 @@ class Generator:
         limit = self.cache.max_seq
         if len(ids) <= limit:
             return ids
-        need(truncate, f"--prompt: {len(ids)} tokens do not fit the context of {limit} (max_seq of the "
-                       "export); shorten it or pass --truncate to keep its last tokens")
+        need(truncate, f"prompt: {len(ids)} tokens do not fit the context of {limit} (max_seq of the "
+                       "export); shorten it or pass `truncate` to keep its last tokens")
         keep = limit - min(max_new, limit // 2)
         if self.bos_id is not None and ids[0] == self.bos_id:
             return [ids[0]] + ids[len(ids) - keep + 1:]
@@ -231,7 +231,7 @@ class Generator:
     def check_chat(self) -> None:
         """EdgeError unless the export has a chat template."""
         need(self.chat_template is not None,
-             f"--chat: {self.directory} has no chat template (export a model whose tokenizer_config.json has one, "
+             f"chat: {self.directory} has no chat template (export a model whose tokenizer_config.json has one, "
              "or pass `edgellm export --chat-template FILE`)")
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -246,7 +246,7 @@ class Generator:
         sampling.validate()
         stop.validate()
         need(not stop.stop or self.tokenizer is not None,
-             f"--stop: {self.directory} has no tokenizer, so there is no text to match stop strings in")
+             f"stop: {self.directory} has no tokenizer, so there is no text to match stop strings in")
         need(not stop.stop or text, "stop strings need the text: generate(..., text=True)")
         return sampling, stop
 

@@ -7,8 +7,7 @@ see docs/design.md "Graph I/O names".
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Literal, get_args
 
 from .errors import need
 from .jsoncheck import is_int
@@ -35,7 +34,7 @@ class Dims:
     dim: int
     vocab_size: int
     max_seq: int
-    kv_layout: str = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
+    kv_layout: KVLayout = "rows"  # "rows": layers return the S new rows; "inplace": layers write the cache in place
     model_head_dim: int = 0  # the model's head size: the first model_head_dim entries of a cached row are its K/V
     # absolute position embeddings (GPT-2, config pos_embedding learned|sinusoidal, format 8): the embedding reads
     # `positions` [1, S] too (the embed, stack and model graphs), gathering rows of its position table
@@ -47,7 +46,8 @@ class Dims:
         return self.rows[layer] if self.rows else self.max_seq
 
 
-KV_LAYOUTS = ("rows", "inplace")
+KVLayout = Literal["rows", "inplace"]  # manifest `kv_layout` (docs/design.md, "The KV cache")
+KV_LAYOUTS: tuple[KVLayout, ...] = get_args(KVLayout)
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
 
 
@@ -68,7 +68,7 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
     return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq for t in types)
 
 
-def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_head_dim: int | None = None,
+def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
                      prefill_chunk: int = 1) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
@@ -94,16 +94,6 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: str = "rows", kv_hea
     rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
                 head_dim, pos != "rope", rows)
-
-
-# A paired graph of manifest format 3-4 holds both variants of one layer as the two branches of an `If` on
-# this input (true: the S = 1 branch). Format 5's paired graphs are one graph with S symbolic: no selector.
-SELECTOR = TensorSpec("decode", (), "bool")
-
-
-def selector_feeds(selector: bool, seq: int) -> dict:
-    """The extra feed a graph variant needs: {"decode": bool array} for a graph with a selector, else nothing."""
-    return {SELECTOR.name: np.array(seq == 1)} if selector else {}
 
 
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
@@ -149,12 +139,11 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)
 
 
-def check_io(role: str, seq: int, layer: int | None, selector: bool,
+def check_io(role: str, seq: int, layer: int | None,
              io: tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]], dims: Dims, where: str) -> None:
-    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order), plus `decode` for a
-    graph with a selector; EdgeError naming `where` and the tensor otherwise."""
+    """A manifest graph entry's (inputs, outputs) are exactly `graph_io`'s (any order); EdgeError naming
+    `where` and the tensor otherwise."""
     want_in, want_out = graph_io(role, seq, layer, dims)
-    want_in += (SELECTOR,) if selector else ()
     for side, got, want in (("inputs", io[0], want_in), ("outputs", io[1], want_out)):
         need(sorted(t.name for t in got) == sorted(t.name for t in want),  # any order, each name once
              f"{where}.{side}: expected names {[t.name for t in want]}, got {[t.name for t in got]}")

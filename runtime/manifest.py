@@ -1,36 +1,19 @@
 """manifest.json: the one file the runtime reads first, describing an export directory.
 
 Format "edgellm-export", versions (bump on any change to graph I/O names, cache layout or file layout;
-readers accept exactly the versions listed):
-  1  embed/layer/head graphs (granularity "layer") or one model graph (granularity "model"), each at
-     S = prefill_chunk and S = 1, sharing one external-data file; static KV cache [1, n_kv, max_seq, hd];
-     graphs return only the S new rows (present_*). Every file listed with sha256 and byte size.
-  2  adds `kv_layout`: "rows" (version 1's graphs) or "inplace" (layer graphs take seqlens_k/total_len and
-     return the whole cache, written in place; runtime/kvcache.py). A version-1 manifest reads as "rows".
-  3  adds `paired` per graph: both variants of an inplace layer name one file whose `If` picks the branch
-     from the bool input `decode` (graphio.SELECTOR); its hidden S dim is symbolic. Versions 1-2: unpaired.
-  4  adds the optional role "stack" (granularity "layer", kv_layout "inplace"): the embedding and every layer
-     in one graph (tokens -> hidden_out, every cache), both variants or neither; the runtime prefers it to
-     the embed + layer graphs, which stay for per-layer diffs. Versions 1-3 have none.
-  5  a paired graph is one graph whose S dim is symbolic, run as is by both variants (no `If`, no `decode`
-     input; export/pairing.py). Versions 3-4 paired graphs keep their `decode` selector.
-  6  adds `eos_ids` (every token id that ends generation, `eos_id` first: chat models end a turn with a token
-     of their own, e.g. Llama 3's <|eot_id|>) and `tokenizer.chat_template` (a Jinja file, or null;
-     runtime/chat.py). Versions 1-5 read as eos_ids = [eos_id] and no template.
-  7  adds `tokenizer.add_bos`: whether a text prompt gets `bos_id` in front, as the checkpoint's tokenizer
-     defines it (export/bos_rule.py; false for Qwen2/2.5/3 and SmolLM2). Versions 1-6 read as
-     add_bos = (bos_id is not null), what their runtime did. Also adds `kv_head_dim` (integer or null): the width of a cache row when the layer graphs pad every head with
-     zeros (export/fused.py; a head size GroupQueryAttention refuses): [1, n_kv, max_seq, kv_head_dim], the
-     model's K/V in the first head_dim entries of a row, zeros after. null: the model's head_dim (versions 1-6).
+readers accept exactly the versions in READS; older ones get a one-line "re-export with this version"):
+  7  embed/layer/head graphs (or one model graph) at S = prefill_chunk and S = 1 sharing one data file,
+     `kv_layout` rows | inplace, `paired` graphs (one graph, S symbolic: edgellm/layout/pairing.py), the
+     optional "stack", `eos_ids`, `tokenizer` {file, kind hf | llama2c, chat_template, add_bos} and
+     `kv_head_dim` (docs/design.md, "Export directory"). Every file listed with sha256 and byte size.
   8  models with absolute position embeddings (GPT-2 / seed 004: `config.pos_embedding` "learned" or "sinusoidal";
      graphio.Dims.embed_positions): the embed, stack and model graphs take `positions` [1, S] int64 (absolute
      positions of the S rows, padding clamped to max_seq - 1) and gather their position table's rows; their layer
-     graphs rotate nothing. Versions 1-7 have no such models (config.pos_embedding absent = "rope").
-     Also adds `kv_cache_rows` (a list with each layer's cache rows, or null: max_seq for every layer): a sliding-window
-     layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq) rows as a ring ("rows"
-     layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in row p % rows
-     (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what the
-     config implies (graphio.cache_rows). Versions 1-7 read as null.
+     graphs rotate nothing. Also adds `kv_cache_rows` (a list with each layer's cache rows, or null: max_seq for
+     every layer): a sliding-window layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq)
+     rows as a ring ("rows" layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in
+     row p % rows (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what
+     the config implies (graphio.cache_rows). A version-7 manifest reads as null and has no position tables.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -43,18 +26,21 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, SELECTOR, Dims, TensorSpec, check_io, dims_from_config
+from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
+from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
 FORMAT_VERSION = 8
-READS = (1, 2, 3, 4, 5, 6, 7, 8)  # the versions this reader accepts
+READS = (7, 8)  # the versions this reader accepts (1-6: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
+Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
 TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
@@ -74,12 +60,7 @@ class GraphSpec:
                               # graph reads the embed and layer data files: null
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    paired: bool = False      # the file holds both variants (format 3; format 5: one graph, S symbolic)
-
-    @property
-    def selector(self) -> bool:
-        """Whether the graph takes the bool input `decode` (a format 3-4 paired graph: an `If` per variant)."""
-        return self.paired and any(t.name == SELECTOR.name for t in self.inputs)
+    paired: bool = False      # the file holds both variants: one graph, S symbolic (edgellm/layout/pairing.py)
 
 
 @dataclass(frozen=True)
@@ -89,14 +70,14 @@ class Manifest:
     edgellm_version: str
     preset: str | None
     config: dict                                 # ModelConfig fields, as plain JSON
-    granularity: str                             # "layer" | "model"
-    kv_layout: str                               # "rows" | "inplace" (runtime/kvcache.py)
+    granularity: Granularity
+    kv_layout: KVLayout                          # runtime/kvcache.py
     max_seq: int
     prefill_chunk: int
     opset: int
     graphs: tuple[GraphSpec, ...]
     files: dict[str, FileSpec]                   # every file but manifest.json, by relative path
-    tokenizer: dict | None = None                # {"file": relpath, "kind": str, "chat_template": relpath | None,
+    tokenizer: dict | None = None                # {"file": relpath, "kind": "hf" | "llama2c", "chat_template": relpath | None,
                                                  #  "add_bos": bool}
     bos_id: int | None = None
     eos_id: int | None = None
@@ -198,7 +179,7 @@ class Manifest:
             seen[key] = g.name
             for rel in (g.file, g.data):
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
-            check_io(g.role, g.seq, g.layer, g.selector, (g.inputs, g.outputs), dims, where)
+            check_io(g.role, g.seq, g.layer, (g.inputs, g.outputs), dims, where)
             if g.paired:  # the other variant of this layer names the same files
                 need(g.role in ("layer", "stack") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
                      f"{where}.paired: only layer or stack graphs of an 'inplace' export with prefill_chunk > 1")
@@ -220,8 +201,8 @@ class Manifest:
                  f"tokenizer: expected keys {', '.join(map(repr, TOKENIZER_KEYS))}")
             file, template = self.tokenizer["file"], self.tokenizer["chat_template"]
             need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
-            need(isinstance(self.tokenizer["kind"], str) and bool(self.tokenizer["kind"]),
-                 "tokenizer.kind: expected a non-empty string")
+            need(self.tokenizer["kind"] in TOKENIZER_FILES,
+                 f"tokenizer.kind: expected one of {', '.join(TOKENIZER_FILES)}, got {self.tokenizer['kind']!r:.40}")
             need(template is None or (isinstance(template, str) and template in self.files),
                  f"tokenizer.chat_template: {template!r} is not listed in files")
             need(template is None or self.tokenizer["kind"] == "hf",
@@ -327,29 +308,15 @@ def _parse(doc: object) -> Manifest:
     need(doc.get("format") == FORMAT, f"format: expected {FORMAT!r}, got {doc.get('format')!r}")
     version = doc.get("format_version")
     need(is_int(version), f"format_version: expected an integer, got {version!r}")
-    need(version in READS, f"format_version {version} is not supported (this edgellm reads "
-                           f"{', '.join(map(str, READS))})")
-    if version == 1 and isinstance(doc.get("granularity"), str):
-        doc = {**doc, "kv_layout": "rows"}  # version 1 had one layout, and no key for it
-    if version < 4 and isinstance(doc.get("graphs"), list):
-        need(all(not isinstance(g, dict) or g.get("role") != "stack" for g in doc["graphs"]),
-             f"graphs: role 'stack' needs format_version 4, this manifest says {version}")
-    if version < 3 and isinstance(doc.get("graphs"), list):  # nor had versions 1-2 paired graphs
-        doc = {**doc, "graphs": [{**g, "paired": False} if isinstance(g, dict) else g for g in doc["graphs"]]}
-    if version < 8 and isinstance(doc.get("config"), dict):
+    need(version <= max(READS), f"format_version {version} is not supported (this edgellm reads "
+                                f"{'-'.join(map(str, READS))}; update edgellm)")
+    need(version in READS, f"format {version} was written by an older edgellm; re-export with this version "
+                           f"(reads {'-'.join(map(str, READS))})")
+    if version == 7 and isinstance(doc.get("config"), dict):
         need(doc["config"].get("pos_embedding", "rope") == "rope",
-             f"config.pos_embedding: absolute position tables need format_version 8, this manifest says {version}")
-    if version < 7:  # every cache row is the model's head_dim wide
-        doc = {**doc, "kv_head_dim": None}
-    if version < 8:  # every layer's cache has max_seq rows
+             "config.pos_embedding: absolute position tables need format_version 8, this manifest says 7")
+    if version == 7:  # every layer's cache has max_seq rows
         doc = {**doc, "kv_cache_rows": None}
-    if version < 6:  # one end-of-generation id, no chat template
-        eos = doc.get("eos_id")
-        tok = doc.get("tokenizer")
-        doc = {**doc, "eos_ids": [eos] if is_int(eos) else [],
-               **({"tokenizer": {**tok, "chat_template": None}} if isinstance(tok, dict) else {})}
-    if version < 7 and isinstance(doc.get("tokenizer"), dict):  # BOS went in front of every text prompt
-        doc = {**doc, "tokenizer": {**doc["tokenizer"], "add_bos": is_int(doc.get("bos_id"))}}
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
@@ -359,10 +326,5 @@ def _parse(doc: object) -> Manifest:
         need(all(is_int(r) for r in d["kv_cache_rows"]), "kv_cache_rows: expected a list of integers or null")
         fields["kv_cache_rows"] = tuple(d["kv_cache_rows"])
     fields["graphs"] = tuple(_graph(g, f"graphs[{i}]") for i, g in enumerate(d["graphs"]))
-    for i, g in enumerate(fields["graphs"]):  # versions 3-4 select a paired graph's variant by `decode`
-        need(g.paired == g.selector or version >= 5, f"graphs[{i}] ({g.name}): a paired graph of format_version "
-                                                     f"{version} takes the input 'decode'")
-        need(not g.selector or version < 5, f"graphs[{i}] ({g.name}): input 'decode' is format 3-4's, this "
-                                            f"manifest says {version}")
     fields["files"] = {rel: FileSpec(**checked(f, _FILE, f"files[{rel!r}]")) for rel, f in d["files"].items()}
     return Manifest(**fields)

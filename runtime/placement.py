@@ -9,36 +9,28 @@ onnxruntime cannot share a pre-packed copy between two sessions from Python. So 
   prefill graph reads its weights in place from the shared map, unpacked, and its pages are released right
   after each of its runs (`SharedWeights.release`: madvise DONTNEED, the file stays in the page cache), so RSS
   holds one layer's unpacked weights at a time on top of the packed ones. A quantized prefill graph is
-  pre-packed too: its kernels are many times slower unpacked, and its packed copy is small (int4 stories110M:
-  prefill 287 -> 1232 tok/s for +34 MB RSS, 283 -> 317 MB).
+  pre-packed too: its kernels are many times slower unpacked, and its packed copy is small.
 - model granularity: one graph holds every weight, so no page can be released between layers: fp32 graphs
   read everything in place, unpacked (one copy); quantized graphs pre-pack both variants (their kernels need
   the packed layout), i.e. two copies of the (small) quantized weights.
 
-A paired graph (manifest format 3+: both variants of a layer in one file, quantize's default) is one session,
+A paired graph (both variants of a layer in one file, quantize's default) is one session,
 placed like a decode graph: one packed copy serves both, and `--prefill-weights` does not apply to it. The
 stack (embedding + every layer, paired; written by export and quantize) is always pre-packed: an Engine that
 runs it opens no layer graph, and the one file it may share with the head is the tied embedding table, which
 it reads as a lookup table (below). Only the graphs an Engine opens count as readers: the stack's, or the
-embed and layer graphs', and the head's. Measured (fp32, stack vs layer graphs, same minutes): stories110M
-prefill 594-665 -> 1152-1157 tok/s, decode 60.0-62.4 -> 62.9-63.3, peak RSS 595 both; Qwen2.5-0.5B prefill
-136 -> 328, decode 14.4 -> 14.1, peak RSS 2090 -> 2012 MB. (The `If` pairs of formats 3-4 held every raw weight
-until both branches had packed it: an fp32 stack then peaked above the RSS bound while loading.)
+embed and layer graphs', and the head's.
 
 Lookup tables (initializers a graph reads only as a Gather's table: the embedding) always come from the
 shared map, pre-packed graph or not, and their files are released every few steps (`Engine`): a step reads
-one row, but the kernel maps the page-cache folio around it, up to 2 MB on kernels with large folios (6.18
-here), so a mapped table grew the RSS by ~0.5 MB per new token (Qwen2.5-0.5B int4: +90 MB over 192 tokens,
-the int8 table being 136 MB; fp32 tables are 4x that). Unless another graph reads the file in place (a tied
-fp32 head), which keeps it resident anyway.
+one row, but the kernel maps the page-cache folio around it (up to 2 MB with large folios), so a mapped
+table grew the RSS with every new token. Unless another graph reads the file in place (a tied fp32 head),
+which keeps it resident anyway.
 
 `SessionConfig.prepack_prefill` (`--prefill-weights`) overrides the prefill choice: True pre-packs every
-prefill graph (faster prefill, a second copy in RAM), False none (quantized Qwen2-0.5B shape, int4: peak RSS
-876 -> 685 MB, prefill 306 -> 60 tok/s); None (default) is the rule above.
-
-Measured on the 2-core dev VM (stories110M fp32, shared thread pool, quiet machine): decode 45.5 tok/s
-unpacked vs 50.2 pre-packed; a 1536x4096 MatMul at S = 64 runs ~2x faster pre-packed; MatMulNBits (int4)
-decode 12x slower and int8 80x slower unpacked, so quantized decode graphs are always pre-packed.
+prefill graph (faster prefill, a second copy in RAM), False none (lowest RSS, slower prefill); None (default)
+is the rule above. Quantized decode graphs are always pre-packed (MatMulNBits is many times slower unpacked).
+The measurements behind each choice: docs/benchmarks.md, "Runtime design measurements".
 """
 
 from __future__ import annotations

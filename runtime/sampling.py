@@ -56,13 +56,13 @@ class SamplingParams:
             object.__setattr__(self, f.name, (int if f.type == "int" else float)(getattr(self, f.name)))
 
     def validate(self) -> None:
-        """Raise EdgeError naming the flag when a value is out of range."""
+        """Raise EdgeError naming the parameter when a value is out of range."""
         t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
-        need(_is_number(t) and t >= 0, f"--temperature: expected a number >= 0 (0 = greedy), got {t!r}")
-        need(_is_int(k) and k >= 0, f"--top-k: expected an integer >= 0 (0 = off), got {k!r}")
-        need(_is_number(p) and 0 < p <= 1, f"--top-p: expected a number in (0, 1] (1 = off), got {p!r}")
-        need(_is_number(m) and 0 <= m < 1, f"--min-p: expected a number in [0, 1) (0 = off), got {m!r}")
-        need(_is_number(r) and r > 0, f"--repetition-penalty: expected a number > 0 (1 = off), got {r!r}")
+        need(_is_number(t) and t >= 0, f"temperature: expected a number >= 0 (0 = greedy), got {t!r}")
+        need(_is_int(k) and k >= 0, f"top_k: expected an integer >= 0 (0 = off), got {k!r}")
+        need(_is_number(p) and 0 < p <= 1, f"top_p: expected a number in (0, 1] (1 = off), got {p!r}")
+        need(_is_number(m) and 0 <= m < 1, f"min_p: expected a number in [0, 1) (0 = off), got {m!r}")
+        need(_is_number(r) and r > 0, f"repetition_penalty: expected a number > 0 (1 = off), got {r!r}")
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -93,10 +93,10 @@ class StopParams:
 
     def validate(self) -> None:
         n, s = self.max_new_tokens, self.seed
-        need(_is_int(n) and n >= 0, f"--max-new-tokens: expected an integer >= 0, got {n!r}")
-        need(s is None or (_is_int(s) and s >= 0), f"--seed: expected an integer >= 0, got {s!r}")
+        need(_is_int(n) and n >= 0, f"max_new_tokens: expected an integer >= 0, got {n!r}")
+        need(s is None or (_is_int(s) and s >= 0), f"seed: expected an integer >= 0, got {s!r}")
         need(isinstance(self.stop, tuple) and all(isinstance(x, str) and x for x in self.stop),
-             f"--stop: expected non-empty strings, got {self.stop!r}")
+             f"stop: expected non-empty strings, got {self.stop!r}")
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)

@@ -1,20 +1,20 @@
 """onnxruntime sessions for an export directory: options for a small-RAM board, one copy of the weights,
 and graphs whose inputs and outputs are bound once to caller-owned numpy buffers.
 
-Choices (measured on the 2-core dev VM with onnxruntime 1.31):
+Choices (the measurements behind them: docs/benchmarks.md, "Runtime design measurements"):
 - Weights: onnxruntime maps page-aligned external data lazily, but each session maps the file itself (RSS
-  counts every mapping) and MatMul pre-packing makes a private copy per session — a prefill and a decode
-  session held a 113 MB layer twice (301 MB RSS after both ran). `SharedWeights` maps each data file once and
-  hands its initializers to sessions as views (`SessionOptions.add_initializer` uses the memory in place:
-  193 MB for that layer; `add_external_initializers` and the in-memory-file option copy it). Which graphs
+  counts every mapping) and MatMul pre-packing makes a private copy per session, so a prefill and a decode
+  session held a layer twice. `SharedWeights` maps each data file once and hands its initializers to
+  sessions as views (`SessionOptions.add_initializer` uses the memory in place; `add_external_initializers`
+  and the in-memory-file option copy it). Which graphs
   read the maps and which pre-pack their own copy is `placement.plan`'s decision.
 - Threads: by default every session owns an intra-op pool. A pool that spins after its Run competes for the
-  cores with the next graph's pool (layer granularity runs N + 2 graphs per token): stories110M decode fell
-  from 40 to 5 tok/s with spinning on, so spinning is off. `shared_pool` (threadpool.py) is the fast option.
-- Arena: onnxruntime's CPU arena keeps each session's largest intermediates (the prefill chunk's) for good:
-  stories110M peaked at 843 MB with it, 598 MB without, so it is off.
-- IOBinding: binding inputs/outputs once and calling `run_with_iobinding` costs ~7 us per call against
-  ~19 us for `run(dict)`; onnxruntime writes outputs straight into the bound buffers.
+  cores with the next graph's pool (layer granularity runs N + 2 graphs per token), so spinning is off.
+  `shared_pool` (threadpool.py) is the fast option.
+- Arena: onnxruntime's CPU arena keeps each session's largest intermediates (the prefill chunk's) for good,
+  so it is off.
+- IOBinding: inputs/outputs are bound once and run with `run_with_iobinding` (a third of `run(dict)`'s cost
+  per call); onnxruntime writes outputs straight into the bound buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -48,7 +49,7 @@ class SessionConfig:
     prepack_prefill: bool | None = None
     spinning: bool = False           # let idle pool threads spin (faster only when nothing else runs)
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
-    optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
+    optimization: Literal["disable", "basic", "extended", "all"] = "all"  # graph optimisation level
     stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
     entries: tuple[tuple[str, str], ...] = ()  # more session config entries (tests: the QDQ accuracy level)
 
@@ -56,7 +57,7 @@ class SessionConfig:
         # each session gets its own pool of `threads`: an absurd count would start that many OS threads N + 2
         # times over (a fuzzed --threads 100000 loaded the machine for minutes)
         need(self.threads is None or (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS),
-             f"--threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
+             f"threads: expected an integer in 1..{MAX_THREADS}, got {self.threads!r}")
         need(self.prepack_prefill in (None, True, False),
              f"prepack_prefill: expected true, false or null, got {self.prepack_prefill!r}")
         need(self.optimization in _LEVELS,

@@ -1,9 +1,8 @@
 """onnxruntime's process-wide ("global") intra-op thread pool, shared by every session of an export.
 
 Layer granularity runs N + 2 sessions per token. With one pool per session, each Run wakes a different
-worker thread that has slept since the previous token; one shared pool keeps a single worker hot. Measured
-on the 2-core dev VM, greedy decode, 2 threads: stories15M 292-300 -> 480-496 tok/s, stories110M 40 -> 45
-tok/s. (Per-session pools that spin instead were 10x slower: 28 spinning workers fight over 2 cores.)
+worker thread that has slept since the previous token; one shared pool keeps a single worker hot (measured:
+docs/benchmarks.md, "Runtime design measurements").
 
 The catch is onnxruntime's, and process-wide: once the global pool exists, every session created in the
 process must set `use_per_session_threads = False` (onnxruntime refuses any other), and the pool's size can

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 from pathlib import Path
+from typing import Literal
 
 from .errors import need
 from .tokenizer_common import Tokenizer
@@ -18,7 +19,10 @@ from .tokenizer_hf import BYTE_TO_UNICODE, UNICODE_TO_BYTE, HFTokenizer
 from .tokenizer_llama2c import Llama2cTokenizer
 
 __all__ = ["BYTE_TO_UNICODE", "UNICODE_TO_BYTE", "HFTokenizer", "IncrementalDecoder", "Llama2cTokenizer", "Tokenizer",
-           "load_tokenizer"]
+           "TokenizerKind", "load_tokenizer", "tokenizer_kind"]
+
+TokenizerKind = Literal["hf", "llama2c"]  # manifest `tokenizer.kind`
+TOKENIZER_FILES: dict[str, str] = {"hf": "tokenizer.json", "llama2c": "tokenizer.bin"}  # its name in an export
 
 
 class IncrementalDecoder:
@@ -63,17 +67,27 @@ class IncrementalDecoder:
         return self.tokenizer.decode(window[: self._read - self._prefix]), self.tokenizer.decode(window)
 
 
-def load_tokenizer(path: str | Path, vocab_size: int | None = None, *, bos_id: int | None = None,
-                   eos_id: int | None = None) -> Tokenizer:
-    """`tokenizer.json` (HF) or `tokenizer.bin` (llama2.c, needs the model's `vocab_size`), by file name."""
+def tokenizer_kind(path: str | Path) -> TokenizerKind:
+    """The kind of a tokenizer file a user names (a flag, the file beside a checkpoint), from its format's
+    suffix. An export's tokenizer is never named this way: its manifest records `tokenizer.kind`."""
+    suffix = Path(path).suffix
+    need(suffix in (".json", ".bin"), f"{path}: unknown tokenizer file (expected tokenizer.json or tokenizer.bin)")
+    return "hf" if suffix == ".json" else "llama2c"
+
+
+def load_tokenizer(path: str | Path, vocab_size: int | None = None, *, kind: TokenizerKind | None = None,
+                   bos_id: int | None = None, eos_id: int | None = None) -> Tokenizer:
+    """A Hugging Face `tokenizer.json` ("hf") or a llama2.c `tokenizer.bin` ("llama2c", needs the model's
+    `vocab_size`; its BOS/EOS are fixed at 1/2, so `bos_id`/`eos_id` are for "hf" only). `kind`: the
+    manifest's, or None for a file a user names (`tokenizer_kind`)."""
     path = Path(path)
     need(path.is_file(), f"{path}: tokenizer file not found")
-    if path.suffix == ".json":
+    kind = kind if kind is not None else tokenizer_kind(path)
+    if kind == "hf":
         tok = HFTokenizer.from_file(path, bos_id, eos_id)
         need(vocab_size is None or tok.vocab_size <= vocab_size,
              f"{path}: tokenizer has {tok.vocab_size} tokens, more than the model's vocab_size {vocab_size}")
         return tok
-    need(path.suffix == ".bin", f"{path}: unknown tokenizer file (expected tokenizer.json or tokenizer.bin)")
-    need(vocab_size is not None and vocab_size > 0, f"{path}: a llama2.c tokenizer.bin needs the model's vocab size (--vocab-size)")
-    need(bos_id in (None, 1) and eos_id in (None, 2), f"{path}: llama2.c tokenizers use BOS=1 and EOS=2")
+    need(kind == "llama2c", f"{path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(TOKENIZER_FILES)})")
+    need(vocab_size is not None and vocab_size > 0, f"{path}: a llama2.c tokenizer.bin needs the model's vocab size (`vocab_size`)")
     return Llama2cTokenizer(path, vocab_size)

@@ -92,32 +92,24 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
         got.graph("head", 3)
 
 
-def pair_layer_0(doc: dict, variants: tuple[int, ...] = (4, 1), selector: bool = False) -> None:
-    """Edit a manifest so that layer 0's variants (by S) name one paired file (`selector`: with format 3-4's
-    `decode` input)."""
+def pair_layer_0(doc: dict, variants: tuple[int, ...] = (4, 1)) -> None:
+    """Edit a manifest so that layer 0's variants (by S) name one paired file."""
     for g in doc["graphs"]:
         if g["role"] == "layer" and g["layer"] == 0 and g["seq"] in variants:
             g.update(paired=True, file="layer_0.decode.onnx")
-            g["inputs"] += [{"name": "decode", "shape": [], "dtype": "bool"}] if selector else []
 
 
 def test_paired_graphs(tmp_path: Path) -> None:
-    """Format 5: a paired layer is one file for both variants; format 3-4's paired graphs take `decode`."""
+    """A paired layer is one file for both variants; format 3-4's `decode` selector input is refused."""
     make_export(tmp_path, kv_layout="inplace")
     edit(tmp_path, pair_layer_0)
     got = read_manifest(tmp_path)
     pair = [g for g in got.graphs if g.paired]
-    assert [(g.name, g.file, g.selector) for g in pair] == [
-        ("layer_0.prefill", "layer_0.decode.onnx", False), ("layer_0.decode", "layer_0.decode.onnx", False)]
+    assert [(g.name, g.file) for g in pair] == [
+        ("layer_0.prefill", "layer_0.decode.onnx"), ("layer_0.decode", "layer_0.decode.onnx")]
     assert Manifest.from_json(got.to_json()) == got
-    make_export(tmp_path / "v4", kv_layout="inplace")
-    edit(tmp_path / "v4", lambda d: (pair_layer_0(d, selector=True), d.update(format_version=4)))
-    assert [g.selector for g in read_manifest(tmp_path / "v4").graphs if g.paired] == [True, True]
-    edit(tmp_path / "v4", lambda d: d.update(format_version=5))
-    rejects(tmp_path / "v4", r"\(layer_0\.prefill\): input 'decode' is format 3-4's, this manifest says 5")
-    make_export(tmp_path / "nosel", kv_layout="inplace")
-    edit(tmp_path / "nosel", lambda d: (pair_layer_0(d), d.update(format_version=3)))
-    rejects(tmp_path / "nosel", r"\(layer_0\.prefill\): a paired graph of format_version 3 takes the input 'decode'")
+    edit(tmp_path, lambda d: d["graphs"][2]["inputs"].append({"name": "decode", "shape": [], "dtype": "bool"}))
+    rejects(tmp_path, r"graphs\[2\] \(layer_0\.prefill\)\.inputs: expected names \[.*\], got \[.*'decode'\]")
     make_export(tmp_path / "one", kv_layout="inplace")
     edit(tmp_path / "one", lambda d: pair_layer_0(d, variants=(1,)))
     rejects(tmp_path / "one", r"graphs\[3\] \(layer_0\.decode\)\.paired: the other variant of layer 0 must be paired")
@@ -140,7 +132,7 @@ def add_stack(doc: dict, variants: tuple[int, ...] = (4, 1), file: str = "stack.
 
 
 def test_stack_graphs(tmp_path: Path) -> None:
-    """Format 4+: an optional stack graph (embedding + every layer), both variants paired in one file."""
+    """An optional stack graph (embedding + every layer), both variants paired in one file."""
     make_export(tmp_path, kv_layout="inplace")
     assert not read_manifest(tmp_path, verify=False).has_stack
     (tmp_path / "stack.onnx").write_bytes((tmp_path / "layer_0.decode.onnx").read_bytes())
@@ -153,8 +145,6 @@ def test_stack_graphs(tmp_path: Path) -> None:
     (tmp_path / "half" / "stack.onnx").write_bytes((tmp_path / "half" / "layer_0.decode.onnx").read_bytes())
     edit(tmp_path / "half", lambda d: add_stack(d, variants=(1,)))
     rejects(tmp_path / "half", r"graphs: missing \(role, layer, seq\) \[\('stack', None, 4\)\]")
-    edit(tmp_path / "half", lambda d: d.update(format_version=3))
-    rejects(tmp_path / "half", "role 'stack' needs format_version 4, this manifest says 3")
     make_export(tmp_path / "rows")
     (tmp_path / "rows" / "stack.onnx").write_bytes(b"x")
     edit(tmp_path / "rows", add_stack)
@@ -175,7 +165,7 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
     edit(tmp_path, lambda d: d.update(format_version=9, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 9 is not supported \(this edgellm reads 1, 2, 3, 4, 5, 6, 7, 8\)")
+    rejects(tmp_path, r"manifest\.json: format_version 9 is not supported \(this edgellm reads 7-8; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -204,7 +194,8 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d["tokenizer"].update(add_bos=1), "tokenizer.add_bos: expected true or false, got 1"),
     (lambda d: d["tokenizer"].update(add_bos="yes"), "tokenizer.add_bos: expected true or false, got 'yes'"),
     (lambda d: d.update(bos_id=None), "tokenizer.add_bos: true needs a bos_id"),
-    (lambda d: d.update(sampler={"top_p": 2}), "sampler: --top-p"),
+    (lambda d: d["tokenizer"].update(kind="spm"), "tokenizer.kind: expected one of hf, llama2c, got 'spm'"),
+    (lambda d: d.update(sampler={"top_p": 2}), "sampler: top_p: expected"),
     (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
     (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),
 ])

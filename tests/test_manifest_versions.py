@@ -1,37 +1,37 @@
-"""Reading older manifest formats, and the fields each format added (eos_ids/chat template 6, add_bos and
-kv_head_dim 7, kv_cache_rows 8): what an old export reads as, and how a new field is checked."""
+"""Manifest versions: formats 1-6 refused with one line, format 7 read (no kv_cache_rows), and the fields
+formats 7-8 carry (add_bos, kv_head_dim, kv_cache_rows): how each is checked."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
-from edgellm.runtime.manifest import read_manifest
+import pytest
+
+from edgellm.cli import main
+from edgellm.runtime.manifest import MANIFEST, read_manifest
 from tests.test_manifest import CONFIG, edit, make_export, rejects
 
 
-def test_version_5_reads_with_one_eos_id_and_no_chat_template(tmp_path: Path) -> None:
-    """Format 6 added eos_ids and tokenizer.chat_template: a format-5 manifest has neither key."""
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+def test_older_formats_get_one_re_export_line(tmp_path: Path, version: int) -> None:
+    """Formats 1-6 (older edgellm releases) are refused by version before any key is read: one line naming the
+    file, the version and what to do."""
     make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=5), d.pop("eos_ids"), d["tokenizer"].pop("chat_template"),
-                              d["tokenizer"].pop("add_bos")))
-    got = read_manifest(tmp_path)
-    assert (got.eos_id, got.eos_ids, got.tokenizer["chat_template"]) == (2, (2,), None)
-    edit(tmp_path, lambda d: d.update(eos_id=None))
-    assert read_manifest(tmp_path).eos_ids == ()
+    edit(tmp_path, lambda d: (d.update(format_version=version), d.pop("kv_head_dim"), d.pop("eos_ids")))
+    rejects(tmp_path, rf"^{re.escape(str(tmp_path / MANIFEST))}: format {version} was written by an older "
+                      r"edgellm; re-export with this version \(reads 7-8\)$")
 
 
-def test_version_6_reads_add_bos_from_bos_id(tmp_path: Path) -> None:
-    """Format 7 added tokenizer.add_bos; formats 1-6 put BOS in front of text whenever there was a bos_id."""
+def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=6), d["tokenizer"].pop("add_bos")))
-    got = read_manifest(tmp_path)
-    assert got.tokenizer["add_bos"] is True and got.add_bos
-    edit(tmp_path, lambda d: d.update(bos_id=None))
-    assert read_manifest(tmp_path).add_bos is False
-    edit(tmp_path, lambda d: (d.update(bos_id=1), d["tokenizer"].update(add_bos=False)))
-    assert read_manifest(tmp_path).add_bos is True  # format 6's rule, whatever the (unknown to it) key says
+    edit(tmp_path, lambda d: d.update(format_version=6))
+    assert main(["run", str(tmp_path), "--prompt-ids", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"edgellm run: error: {tmp_path / MANIFEST}: format 6 was written by an older edgellm; "
+                   "re-export with this version (reads 7-8)\n")
 
 
 def test_add_bos_round_trips(tmp_path: Path) -> None:
@@ -57,10 +57,6 @@ def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
         rejects(tmp_path / "pad", f"kv_head_dim: expected an integer from the model's head_dim 4 to 12, got {bad}")
     edit(tmp_path / "pad", lambda d: d.update(kv_head_dim=8, kv_layout="rows"))
     rejects(tmp_path / "pad", "kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only")
-    make_export(tmp_path / "v6", kv_layout="inplace")
-    edit(tmp_path / "v6", lambda d: (d.update(format_version=6), d.pop("kv_head_dim")))
-    got = read_manifest(tmp_path / "v6")
-    assert (got.kv_head_dim, got.head_dim, got.model_head_dim) == (None, 4, 4)
 
 
 def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
@@ -82,17 +78,3 @@ def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
     make_export(tmp_path / "v7")
     edit(tmp_path / "v7", lambda d: (d.update(format_version=7), d.pop("kv_cache_rows")))
     assert read_manifest(tmp_path / "v7").kv_cache_rows is None
-
-
-def test_version_1_reads_as_the_rows_layout(tmp_path: Path) -> None:
-    """Exports written before kv_layout existed (format_version 1, no key) still load, as "rows"."""
-    make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=1), d.pop("kv_layout"), [g.pop("paired") for g in d["graphs"]]))
-    assert read_manifest(tmp_path).kv_layout == "rows"
-
-
-def test_version_2_reads_as_unpaired(tmp_path: Path) -> None:
-    """Version 2 had no `paired` key: every graph reads as one file per variant."""
-    make_export(tmp_path, kv_layout="inplace")
-    edit(tmp_path, lambda d: (d.update(format_version=2), [g.pop("paired") for g in d["graphs"]]))
-    assert not any(g.paired for g in read_manifest(tmp_path).graphs)

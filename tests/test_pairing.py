@@ -1,4 +1,4 @@
-"""export/pairing.py: a layer's (or the embedding's) prefill and decode graphs merged into one graph with S
+"""edgellm/layout/pairing.py: a layer's (or the embedding's) prefill and decode graphs merged into one graph with S
 symbolic must compute exactly what each variant graph computes, for every preset's S-constants (Reshape
 targets, the S of XPos' `total_len - S`); variants that differ otherwise are refused."""
 
@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from edgellm.export.pairing import pair_layer
+from edgellm.layout.pairing import pair_layer
 from edgellm.model import PRESETS
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest

@@ -256,7 +256,7 @@ def _tiny(name: str, inputs: list[str], output: str, scale: float, const: str = 
 def test_stacking_keeps_each_graphs_constants_apart() -> None:
     """stack_graphs renames values per unit and any initializer whose name another unit uses with other
     content, so the stack computes exactly the chain of its graphs (here each graph's "c" and "s" differ)."""
-    from edgellm.export.stacking import stack_graphs
+    from edgellm.layout.stacking import stack_graphs
 
     embed = _tiny("embed", ["tokens"], "hidden", 2.0)
     layers = [_tiny(f"layer_{i}", ["hidden", "seqlens_k"], "hidden_out", 3.0 + i) for i in range(3)]

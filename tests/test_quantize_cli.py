@@ -144,10 +144,10 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
                                                                      for g in fp32.graphs]
         # ... and the embedding + every layer once more as the stack graph, paired in stack.onnx
         stack = [g for g in m.graphs if g.role == "stack"]
-        assert [(g.name, g.file, g.data, g.paired, g.selector) for g in stack] == [
-            ("stack.prefill", "stack.onnx", None, True, False), ("stack.decode", "stack.onnx", None, True, False)]
+        assert [(g.name, g.file, g.data, g.paired) for g in stack] == [
+            ("stack.prefill", "stack.onnx", None, True), ("stack.decode", "stack.onnx", None, True)]
         layers = [g for g in m.graphs if g.role == "layer"]
-        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and not g.selector for g in layers)
+        assert all(g.paired and g.file == f"layer_{g.layer}.onnx" for g in layers)
         assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
@@ -308,6 +308,8 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--format", "qdq"], "--format"), (["--bits", "8", "--int8-layers", "0"], "--int8-layers"),
     (["--bits", "4", "--int8-layers", "2"], "--int8-layers"), (["--bits", "4", "--keep", "layer.0.*"], "--keep"),
     (["--bits", "4", "--accuracy-level", "2"], "--accuracy-level"),
+    (["--bits", "4", "--int8-layers", "0,,1"], "--int8-layers: expected comma-separated integers, got '0,,1'"),
+    (["--bits", "4", "--kl-budget", "low"], "--kl-budget: expected a number, got 'low'"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:
     _, src = untied

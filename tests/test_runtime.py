@@ -108,7 +108,7 @@ def test_full_context_finishes_with_length(llama):
 def test_prompt_longer_than_the_context(llama):
     gen, model = llama
     ids = prompt(MAX_SEQ + 5, model.cfg.vocab_size)
-    with pytest.raises(EdgeError, match="--prompt.*do not fit the context of 64.*--truncate"):
+    with pytest.raises(EdgeError, match="^prompt: .*do not fit the context of 64.*pass `truncate`"):
         gen.complete(ids, GREEDY, StopParams(max_new_tokens=10))
     result = gen.complete(ids, GREEDY, StopParams(max_new_tokens=10), truncate=True)
     assert result.prompt_ids == ids[-(MAX_SEQ - 10):]  # room for the 10 new tokens
@@ -116,14 +116,15 @@ def test_prompt_longer_than_the_context(llama):
 
 
 def test_bad_prompts_are_edge_errors(llama, bigram):
+    """The messages name the API's parameters (the CLI prints them as flags: test_cli_run)."""
     gen, _ = llama
-    with pytest.raises(EdgeError, match="--prompt-ids: expected at least one"):
+    with pytest.raises(EdgeError, match="^prompt_ids: expected at least one"):
         gen.complete([], GREEDY)
-    with pytest.raises(EdgeError, match=r"--prompt-ids: token ids must be in \[0, 256\)"):
+    with pytest.raises(EdgeError, match=r"^prompt_ids: token ids must be in \[0, 256\)"):
         gen.complete([3, 256], GREEDY)
-    with pytest.raises(EdgeError, match="--prompt: .* has no tokenizer"):
+    with pytest.raises(EdgeError, match=r"^prompt: .* has no tokenizer; pass token ids \(`prompt_ids`\)"):
         gen.complete("hello", GREEDY)
-    with pytest.raises(EdgeError, match="--prompt: expected a non-empty prompt"):
+    with pytest.raises(EdgeError, match="^prompt: expected a non-empty prompt"):
         bigram.complete("", GREEDY)
 
 

@@ -238,23 +238,22 @@ def test_sample_rejects_bad_logits() -> None:
 # ------------------------------------------------------------------------------------------------ params
 
 
-@pytest.mark.parametrize("kwargs,flag", [
-    ({"temperature": -0.1}, "--temperature"), ({"temperature": float("nan")}, "--temperature"),
-    ({"top_k": -1}, "--top-k"), ({"top_k": 2.5}, "--top-k"), ({"top_p": 0.0}, "--top-p"),
-    ({"top_p": 1.01}, "--top-p"), ({"min_p": 1.0}, "--min-p"), ({"min_p": -0.1}, "--min-p"),
-    ({"repetition_penalty": 0.0}, "--repetition-penalty"),
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"top_k": -1}, {"top_k": 2.5}, {"top_p": 0.0},
+    {"top_p": 1.01}, {"min_p": 1.0}, {"min_p": -0.1}, {"repetition_penalty": 0.0},
 ])
-def test_sampling_params_validate(kwargs: dict, flag: str) -> None:
-    with pytest.raises(EdgeError, match=flag):
+def test_sampling_params_validate(kwargs: dict) -> None:
+    """The message starts with the parameter's name (the CLI turns it into the flag)."""
+    with pytest.raises(EdgeError, match=f"^{next(iter(kwargs))}: expected"):
         SamplingParams(**kwargs)
 
 
 def test_stop_params_and_dict_round_trip() -> None:
-    with pytest.raises(EdgeError, match="--max-new-tokens"):
+    with pytest.raises(EdgeError, match="^max_new_tokens: "):
         StopParams(max_new_tokens=-1)
-    with pytest.raises(EdgeError, match="--seed"):
+    with pytest.raises(EdgeError, match="^seed: "):
         StopParams(seed=True)
-    with pytest.raises(EdgeError, match="--stop"):
+    with pytest.raises(EdgeError, match="^stop: "):
         StopParams(stop=("",))
     assert StopParams(max_new_tokens=0, seed=3, stop=("\n\n",)).rng().integers(1 << 30) == \
         np.random.default_rng(3).integers(1 << 30)
@@ -262,5 +261,5 @@ def test_stop_params_and_dict_round_trip() -> None:
     assert SamplingParams.from_dict(p.to_dict(), "sampler") == p
     with pytest.raises(EdgeError, match=r"sampler: unknown sampling setting\(s\) \['do_sample'\]"):
         SamplingParams.from_dict({"do_sample": True}, "sampler")
-    with pytest.raises(EdgeError, match="sampler: --top-p"):
+    with pytest.raises(EdgeError, match="sampler: top_p: "):
         SamplingParams.from_dict({"top_p": "0.9"}, "sampler")

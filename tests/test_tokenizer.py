@@ -241,8 +241,20 @@ def test_llama2c_corrupt_files(tmp_path: Path) -> None:
         load_tokenizer(no_bytes, vocab_size=259)
     with pytest.raises(EdgeError, match="truncated"):  # the model claims more tokens than the file holds
         load_tokenizer(tmp_path / "good.bin", vocab_size=len(pieces) + 1)
-    with pytest.raises(EdgeError, match="--vocab-size"):
+    with pytest.raises(EdgeError, match=r"needs the model's vocab size \(`vocab_size`\)"):
         load_tokenizer(tmp_path / "good.bin")
+
+
+def test_the_kind_not_the_file_name_decides(tmp_path: Path, l2c: Llama2cTokenizer) -> None:
+    """An export's manifest records `tokenizer.kind`, and the loader reads that, whatever the file is called;
+    only a file a user names is known by its suffix."""
+    pieces, scores = llama2c_vocab()
+    odd = write_bin(tmp_path / "vocab.model", pieces, scores)
+    assert load_tokenizer(odd, len(pieces), kind="llama2c").encode("hello world") == l2c.encode("hello world")
+    with pytest.raises(EdgeError, match="unknown tokenizer file"):
+        load_tokenizer(odd, len(pieces))
+    with pytest.raises(EdgeError, match="unknown tokenizer kind 'sentencepiece'"):
+        load_tokenizer(odd, len(pieces), kind="sentencepiece")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("content", [

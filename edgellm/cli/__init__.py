@@ -29,11 +29,42 @@ VERBS = {
 }
 
 
+# Runtime (Python API) parameters whose errors reach the CLI; the runtime never names flags.
+RUNTIME_PARAMS = ("prompt", "prompt_ids", "truncate", "chat", "stop", "threads", "temperature", "top_k", "top_p",
+                  "min_p", "repetition_penalty", "max_new_tokens", "seed", "vocab_size")
+
+
+def as_flags(message: str) -> str:
+    """An EdgeError's message with the runtime parameters it names (`name:` first, or `name` in backticks) as
+    the CLI flags that set them (--name-with-dashes)."""
+    for name in RUNTIME_PARAMS:
+        flag = "--" + name.replace("_", "-")
+        message = message.replace(f"`{name}`", flag)
+        if message.startswith(f"{name}:"):
+            message = flag + message[len(name):]
+    return message
+
+
+def _number_type(convert, what: str):
+    def parse(text: str):
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    return parse
+
+
+# argparse `type=` for every numeric flag: a bad value is the parser's one-line error (exit 2)
+integer, number = _number_type(int, "an integer"), _number_type(float, "a number")
+integers = _number_type(lambda text: [int(x) for x in text.split(",")], "comma-separated integers")
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse's errors as ONE line, exit 2, like every other bad input (no multi-line usage block);
-    subcommand parsers inherit the class."""
+    """argparse's errors as ONE line, exit 2, like every other bad input (no multi-line usage block), the flag
+    first as in every EdgeError ("--top-k: expected an integer, got 'x'"); subcommand parsers inherit the class."""
 
     def error(self, message: str) -> NoReturn:
+        message = message.removeprefix("argument ")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -57,14 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a bad flag (its one line printed, 2), --help or --version (0): a code like any error
+        return int(exc.code or 0)
     try:
         code = args.func(args)
     except BrokenPipeError:  # the reader went away (`edgellm info DIR | head`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except EdgeError as exc:
-        print(f"edgellm {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"edgellm {args.verb}: error: {as_flags(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:  # the environment (disk full, permissions, a path through a file), not a bug: one line
         where = f"{exc.filename}: " if exc.filename else ""

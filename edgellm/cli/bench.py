@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from . import integer, integers, number
 from .run import PREFILL_WEIGHTS, add_pool_flag, add_prefill_weights_flag, shared_pool
 
 JSON_SCHEMA = "edgellm-bench"
@@ -25,14 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed and memory of an export",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", type=Path, help="export directory")
-    p.add_argument("--threads", type=int, default=2, help="onnxruntime (and torch) threads (default 2)")
-    p.add_argument("--runs", type=int, default=3, help="timed runs per context after one warm-up (default 3)")
-    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per run (default 128)")
-    p.add_argument("--contexts", help="comma-separated prompt lengths (default: 64 and a long one)")
+    p.add_argument("--threads", type=integer, default=2, help="onnxruntime (and torch) threads (default 2)")
+    p.add_argument("--runs", type=integer, default=3, help="timed runs per context after one warm-up (default 3)")
+    p.add_argument("--new-tokens", type=integer, default=128, help="new tokens per run (default 128)")
+    p.add_argument("--contexts", type=integers, help="comma-separated prompt lengths (default: 64 and a long one)")
     p.add_argument("--vs-torch", type=Path, metavar="CHECKPOINT",
                    help="also run this checkpoint's PyTorch model and print the ratios")
     add_prefill_weights_flag(p)
-    p.add_argument("--max-other-load", type=float, default=3.0, metavar="PCT",
+    p.add_argument("--max-other-load", type=number, default=3.0, metavar="PCT",
                    help="repeat a timed run (up to 5 times) while other processes use more than PCT%% of the "
                         "CPUs (default 3)")
     add_pool_flag(p, "bench")
@@ -41,23 +42,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _contexts(args: argparse.Namespace, max_seq: int) -> list[int]:
-    from edgellm.runtime.errors import EdgeError, need
+    from edgellm.runtime.errors import need
 
     room = max_seq - args.new_tokens
-    if args.contexts:
-        try:
-            contexts = [int(x) for x in args.contexts.split(",")]
-        except ValueError:
-            raise EdgeError(f"--contexts: expected comma-separated integers, got {args.contexts!r}") from None
-    else:
-        contexts = sorted({min(64, room), min(1024, room)})
+    contexts = args.contexts or sorted({min(64, room), min(1024, room)})
     need(all(1 <= c <= room for c in contexts),
          f"--contexts: each must be in 1..{room} (max_seq {max_seq} - --new-tokens {args.new_tokens})")
     return contexts
 
 
 def run(args: argparse.Namespace) -> int:
-    from edgellm.benchmarks import bench_edgellm, bench_torch, format_table, ratios
+    from edgellm.cli.bench_measure import bench_edgellm, bench_torch, format_table, ratios
     from edgellm.runtime.errors import need
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from edgellm.runtime.errors import EdgeError
 
+from . import integer, number
+
 DEFAULT_OUT = Path("out/demo")
 
 
@@ -28,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT, help=f"work directory (default {DEFAULT_OUT})")
     p.add_argument("--size", choices=("small", "tiny"), default="small",
                    help="small: the ~1M-parameter default (<= 3 min of training); tiny: seconds, for tests")
-    p.add_argument("--budget", type=float, default=170.0, help="training time budget in seconds (default 170)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the corpus, the model and the samples")
+    p.add_argument("--budget", type=number, default=170.0, help="training time budget in seconds (default 170)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of the corpus, the model and the samples")
     p.add_argument("--retrain", action="store_true", help="train again even if DIR/model holds a trained model")
     p.set_defaults(func=run)
 

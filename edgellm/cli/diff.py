@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import integer, number
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from edgellm.diff.gate import METRICS  # light: no torch
@@ -24,22 +26,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", type=Path, default=None, help="evaluation text file (UTF-8), tokenized with "
                                                               "the export's tokenizer")
-    text.add_argument("--generated", type=int, default=None, metavar="N",
+    text.add_argument("--generated", type=integer, default=None, metavar="N",
                       help="evaluate on N tokens sampled from the PyTorch model (temperature 1, --seed) from BOS "
                            "(the default when --text is absent: --tokens - 1)")
-    p.add_argument("--tokens", type=int, default=256, help="evaluation tokens including BOS (default 256, "
+    p.add_argument("--tokens", type=integer, default=256, help="evaluation tokens including BOS (default 256, "
                                                            "capped at the exports' max_seq)")
-    p.add_argument("--prompts", type=int, default=4, help="greedy continuation prompts (default 4)")
-    p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default 16)")
-    p.add_argument("--continuation", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --generated (default 0)")
+    p.add_argument("--prompts", type=integer, default=4, help="greedy continuation prompts (default 4)")
+    p.add_argument("--prompt-len", type=integer, default=16, help="tokens per prompt (default 16)")
+    p.add_argument("--continuation", type=integer, default=32, help="greedy tokens per prompt (default 32)")
+    p.add_argument("--seed", type=integer, default=0, help="seed of --generated (default 0)")
     p.add_argument("--fail-if", default=None, metavar="COND[,COND...]",
                    help='CI gate, e.g. "kl>0.05,top1<0.9,ppl_delta>0.05": exit 1 if any holds for any export')
-    p.add_argument("--jump-factor", type=float, default=3.0,
+    p.add_argument("--jump-factor", type=number, default=3.0,
                    help="drift rule: a layer drifts when its error exceeds this x the median before it (3)")
-    p.add_argument("--jump-floor", type=float, default=1e-3,
+    p.add_argument("--jump-floor", type=number, default=1e-3,
                    help="drift rule: ... and this absolute relative-RMS floor (1e-3)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=integer, default=None,
                    help="torch/onnxruntime threads (default: 1 for models under 30M parameters, else all cores)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of export files")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

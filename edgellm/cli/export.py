@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
+from . import integer, number
+
 DEFAULT_MAX_SEQ = 512
 
 
@@ -18,10 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "checked against PyTorch in onnxruntime. An interrupted export resumes from DIR.partial.")
     parser.add_argument("checkpoint", type=Path, help="HF directory, .gguf file (llama.cpp), llama2.c .bin file or edgellm checkpoint dir")
     parser.add_argument("-o", "--output", type=Path, required=True, help="export directory to write")
-    parser.add_argument("--max-seq", type=int, default=None,
+    parser.add_argument("--max-seq", type=integer, default=None,
                         help=f"context length of the static KV cache (default {DEFAULT_MAX_SEQ}, or the model's "
                              "max_seq_len if smaller)")
-    parser.add_argument("--prefill-chunk", type=int, default=32, help="tokens per prefill graph call (default 32)")
+    parser.add_argument("--prefill-chunk", type=integer, default=32, help="tokens per prefill graph call (default 32)")
     parser.add_argument("--granularity", choices=("layer", "model"), default="layer",
                         help="layer: embed + one graph per layer + head (default); model: one graph")
     parser.add_argument("--attention", choices=("fused", "standard"), default="fused",
@@ -30,10 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "standard: plain ONNX ops only, for toolchains without com.microsoft ops "
                              "(granularity model is always standard). Fused layers take any head size: "
                              "one that is no multiple of 8 is zero-padded to the next (manifest kv_head_dim)")
-    parser.add_argument("--atol", type=float, default=1e-4,
+    parser.add_argument("--atol", type=number, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
                              "max(1, max |PyTorch|) (default 1e-4)")
-    parser.add_argument("--opset", type=int, default=20, help="ONNX opset, 18..21 (default 20)")
+    parser.add_argument("--opset", type=integer, default=20, help="ONNX opset, 18..21 (default 20)")
     parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                         help="the chat template to ship for `edgellm run --chat`: a Jinja file or a "
                              "tokenizer_config.json (default: the one beside the checkpoint's tokenizer.json)")

@@ -1,6 +1,7 @@
 """`edgellm quantize EXPORT -o DIR --bits 4|8`: weight-only int8/int4 quantization of an export directory.
 
-Values are parsed here (not by argparse `type=`/`choices=`) so that every bad flag is one line, exit 2.
+Numbers are parsed by argparse (`type=integer`/`number`: a bad one is one line, exit 2); the allowed values of
+each setting are checked by QuantizeOptions.validate, which names the flag.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.errors import need
+
+from . import integer, integers, number
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "checks the logits against the fp32 export.")
     p.add_argument("export", type=Path, help="fp32 export directory (from `edgellm export`)")
     p.add_argument("-o", "--output", type=Path, required=True, help="quantized export directory to write")
-    p.add_argument("--bits", required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
-    p.add_argument("--group-size", default=None, metavar="N",
+    p.add_argument("--bits", type=integer, required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
+    p.add_argument("--group-size", type=integer, default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
                         "scale per output channel (default: 32 for --bits 4, 64 for --bits 8)")
     sym = p.add_mutually_exclusive_group()
@@ -47,60 +50,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
-    p.add_argument("--int8-layers", default=None, metavar="LIST",
+    p.add_argument("--int8-layers", type=integers, default=[], metavar="LIST",
                    help="with --bits 4: these layers' linears int8 (groups of 64), e.g. 0,-1 (first and last)")
-    p.add_argument("--accuracy-level", default="4", metavar="{0,1,4}",
+    p.add_argument("--accuracy-level", type=integer, default=4, metavar="{0,1,4}",
                    help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
                         "0/1 = fp32 activations")
-    p.add_argument("--calibration-tokens", default="512", metavar="N",
+    p.add_argument("--calibration-tokens", type=integer, default=512, metavar="N",
                    help="tokens the fp32 export samples for --method awq/gptq and --int8-fraction (default 512)")
     p.add_argument("--act-order", action="store_true",
                    help="--method gptq: quantize columns in order of decreasing activation energy")
-    p.add_argument("--int8-fraction", default="0", metavar="F",
+    p.add_argument("--int8-fraction", type=number, default=0.0, metavar="F",
                    help="--bits 4: about this fraction of the linears' weights int8, the most sensitive ones as "
                         "measured on calibration data (default 0)")
-    p.add_argument("--kl-budget", default=None, metavar="X",
+    p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
-    p.add_argument("--seed", default="0", metavar="N", help="seed of the sampled calibration/check text (default 0)")
+    p.add_argument("--seed", type=integer, default=0, metavar="N", help="seed of the sampled calibration/check text (default 0)")
     p.add_argument("--no-check", action="store_true", help="skip the logits check against the fp32 export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
-
-
-def _int(flag: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise EdgeError(f"{flag}: expected an integer, got {text!r}") from None
-
-
-def _float(flag: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise EdgeError(f"{flag}: expected a number, got {text!r}") from None
-
-
-def _layers(text: str | None) -> tuple[int, ...]:
-    if text is None:
-        return ()
-    parts = [t.strip() for t in text.split(",")]
-    need(all(parts), f"--int8-layers: expected comma-separated layer indices like 0,-1, got {text!r}")
-    return tuple(dict.fromkeys(_int("--int8-layers", t) for t in parts))
 
 
 def options_from_args(args: argparse.Namespace):
     from edgellm.quant.options import QuantizeOptions
 
     options = QuantizeOptions(
-        bits=_int("--bits", args.bits),
-        group_size=None if args.group_size is None else _int("--group-size", args.group_size),
+        bits=args.bits, group_size=args.group_size,
         symmetric=args.symmetric, format=args.format, method=args.method, embeddings=args.embeddings,
-        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=_layers(args.int8_layers),
-        accuracy_level=_int("--accuracy-level", args.accuracy_level),
-        calibration_tokens=_int("--calibration-tokens", args.calibration_tokens), seed=_int("--seed", args.seed),
-        act_order=args.act_order, int8_fraction=_float("--int8-fraction", args.int8_fraction))
+        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=tuple(dict.fromkeys(args.int8_layers)),
+        accuracy_level=args.accuracy_level, calibration_tokens=args.calibration_tokens, seed=args.seed,
+        act_order=args.act_order, int8_fraction=args.int8_fraction)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options
@@ -115,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         need(not args.no_check, "--kl-budget: measures each variant's KL, so it cannot run with --no-check")
         from edgellm.quant.budget import smallest_within
 
-        result, _ = smallest_within(args.export, args.output, options, _float("--kl-budget", args.kl_budget),
+        result, _ = smallest_within(args.export, args.output, options, args.kl_budget,
                                     progress=not args.no_progress)
     else:
         result = quantize_export(args.export, args.output, options, check=not args.no_check,

@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import integer, number
+
 JSON_SCHEMA = "edgellm-run"
 JSON_VERSION = 2
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -33,14 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "`edgellm info DIR` says)")
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, used as given (no tokenizer "
                                              "needed)")
-    p.add_argument("--max-new-tokens", default="256", help="at most this many new tokens (default 256)")
-    p.add_argument("--temperature", help="0 = greedy (default: the export's sampler)")
-    p.add_argument("--top-k", help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--min-p", help="drop tokens below min_p x the top probability (0 = off)")
-    p.add_argument("--repetition-penalty", help="> 1 discourages repeats (1 = off)")
-    p.add_argument("--seed", help="seed of the random draws (default: fresh entropy)")
-    p.add_argument("--threads", help="onnxruntime intra-op threads (default: onnxruntime's choice)")
+    p.add_argument("--max-new-tokens", type=integer, default=256, help="at most this many new tokens (default 256)")
+    p.add_argument("--temperature", type=number, help="0 = greedy (default: the export's sampler)")
+    p.add_argument("--top-k", type=integer, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=number, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--min-p", type=number, help="drop tokens below min_p x the top probability (0 = off)")
+    p.add_argument("--repetition-penalty", type=number, help="> 1 discourages repeats (1 = off)")
+    p.add_argument("--seed", type=integer, help="seed of the random draws (default: fresh entropy)")
+    p.add_argument("--threads", type=integer, help="onnxruntime intra-op threads (default: onnxruntime's choice)")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (not printed); repeatable")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -87,6 +89,7 @@ def shared_pool(choice: str, verb: str) -> bool:
 
 
 def _prompt_ids(text: str) -> list[int]:
+    """--prompt-ids (and each stdin line of an --interactive export without a tokenizer): comma-separated ids."""
     from edgellm.runtime.errors import EdgeError
 
     try:
@@ -98,30 +101,10 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
-# flag -> number type; parsed here, not by argparse, so a bad value is one line (exit 2) like every error
-NUMBERS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
-           "repetition_penalty": float, "seed": int, "threads": int}
-
-
-def _numbers(args: argparse.Namespace) -> None:
-    from edgellm.runtime.errors import EdgeError
-
-    for key, kind in NUMBERS.items():
-        text = getattr(args, key)
-        if text is None:
-            continue
-        try:
-            setattr(args, key, kind(text))
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise EdgeError(f"--{key.replace('_', '-')}: expected {what}, got {text!r}") from None
-
-
 def _params(args: argparse.Namespace):
     """(given sampling flags, StopParams), validated before anything is loaded."""
     from edgellm.runtime.sampling import SamplingParams, StopParams
 
-    _numbers(args)
     given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     SamplingParams(**given)  # EdgeError naming the first bad flag
     return given, StopParams(args.max_new_tokens, args.seed, tuple(args.stop))

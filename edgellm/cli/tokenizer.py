@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import integer
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer; encode/decode with one",
@@ -14,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     train = verbs.add_parser("train", help="train a byte-level BPE on text files, write tokenizer.json")
     train.add_argument("corpus", nargs="+", type=Path, help="UTF-8 text files")
-    train.add_argument("--vocab-size", type=int, required=True, help="at most this many tokens (>= 259)")
+    train.add_argument("--vocab-size", type=integer, required=True, help="at most this many tokens (>= 259)")
     train.add_argument("-o", "--output", type=Path, default=Path("tokenizer.json"), help="tokenizer.json to write")
 
     encode = verbs.add_parser("encode", help="print the token ids of --text (no BOS)")
@@ -23,10 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     decode = verbs.add_parser("decode", help="print the text of token ids")
     decode.add_argument("tokenizer", type=Path, help="tokenizer.json or llama2.c tokenizer.bin")
-    decode.add_argument("ids", nargs="+", type=int)
+    decode.add_argument("ids", nargs="+", type=integer)
 
     for verb in (encode, decode):
-        verb.add_argument("--vocab-size", type=int, default=None,
+        verb.add_argument("--vocab-size", type=integer, default=None,
                           help="the model's vocabulary size (required for a tokenizer.bin)")
     parser.set_defaults(func=run)
 

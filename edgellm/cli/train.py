@@ -10,14 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import integer, number
+
 # flag -> TrainConfig field (flags left unset keep the config file's or the checkpoint's value)
 TRAIN_FLAGS = {
-    "--steps": ("steps", int), "--batch-size": ("batch_size", int), "--seq-len": ("seq_len", int),
-    "--lr": ("lr", float), "--min-lr": ("min_lr", float), "--warmup": ("warmup", int),
-    "--grad-accum": ("grad_accum", int), "--clip": ("clip", float), "--weight-decay": ("weight_decay", float),
-    "--eval-every": ("eval_every", int), "--eval-steps": ("eval_steps", int), "--save-every": ("save_every", int),
-    "--seed": ("seed", int), "--val-fraction": ("val_fraction", float), "--time-budget": ("time_budget_s", float),
-    "--threads": ("threads", int),
+    "--steps": ("steps", integer), "--batch-size": ("batch_size", integer), "--seq-len": ("seq_len", integer),
+    "--lr": ("lr", number), "--min-lr": ("min_lr", number), "--warmup": ("warmup", integer),
+    "--grad-accum": ("grad_accum", integer), "--clip": ("clip", number), "--weight-decay": ("weight_decay", number),
+    "--eval-every": ("eval_every", integer), "--eval-steps": ("eval_steps", integer),
+    "--save-every": ("save_every", integer), "--seed": ("seed", integer), "--val-fraction": ("val_fraction", number),
+    "--time-budget": ("time_budget_s", number), "--threads": ("threads", integer),
 }
 SIZE_FLAGS = {"--dim": "dim", "--n-layers": "n_layers", "--n-heads": "n_heads", "--n-kv-heads": "n_kv_heads",
               "--hidden-dim": "hidden_dim", "--max-seq-len": "max_seq_len"}
@@ -34,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="UTF-8 text files (documents split at blank lines) or token files (.npy, .bin)")
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", type=Path, help="tokenizer.json to tokenize the text with")
-    tok.add_argument("--vocab-size", type=int, help="train a byte-level BPE of this size on the text first")
+    tok.add_argument("--vocab-size", type=integer, help="train a byte-level BPE of this size on the text first")
     p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in -o exactly")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -42,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, type=kind, default=None, dest=field)
     sizes = p.add_argument_group("model size (overrides the preset or config)")
     for flag, field in SIZE_FLAGS.items():
-        sizes.add_argument(flag, type=int, default=None, dest=field)
+        sizes.add_argument(flag, type=integer, default=None, dest=field)
     p.set_defaults(func=run)
 
 

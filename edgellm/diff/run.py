@@ -176,9 +176,9 @@ def _eval_tokens(loaded: Loaded, exports: list[tuple[Path, Manifest]], options: 
     if options.text is not None:
         # tokenized as `edgellm run --prompt` does: the export's tokenizer and rule, else the checkpoint's
         found = export_tokenizer(exports)
-        tokenizer, add_bos = found if found is not None else (
-            loaded.tokenizer_path, checkpoint_add_bos(loaded.source, loaded.tokenizer_path, cfg.bos_id))
-        return file_tokens(options.text, tokenizer, n_tokens, cfg.vocab_size, bos, eos, add_bos)
+        tokenizer, kind, add_bos = found if found is not None else (
+            loaded.tokenizer_path, None, checkpoint_add_bos(loaded.source, loaded.tokenizer_path, cfg.bos_id))
+        return file_tokens(options.text, tokenizer, kind, n_tokens, cfg.vocab_size, bos, eos, add_bos)
     n_new = options.generated if options.generated is not None else n_tokens - 1
     need(n_new + 1 <= max_seq, f"--generated {n_new}: {n_new + 1} tokens with BOS exceed max_seq={max_seq}")
     loaded.model.set_context_len(max_seq)

@@ -9,36 +9,31 @@ from edgellm.model import Decoder
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.manifest import Manifest
-from edgellm.runtime.tokenizer import Tokenizer, load_tokenizer
+from edgellm.runtime.tokenizer import Tokenizer, TokenizerKind, load_tokenizer
 
 from .collect_torch import generate_tokens
 
 
-def find_tokenizer(exports: list[tuple[Path, Manifest]], fallback: Path | None) -> Path | None:
-    """The first export's own tokenizer file, else the one found with the checkpoint."""
-    found = export_tokenizer(exports)
-    return found[0] if found is not None else fallback
-
-
-def export_tokenizer(exports: list[tuple[Path, Manifest]]) -> tuple[Path, bool] | None:
-    """(tokenizer file, whether text gets BOS: the manifest's rule) of the first export with a tokenizer."""
+def export_tokenizer(exports: list[tuple[Path, Manifest]]) -> tuple[Path, TokenizerKind, bool] | None:
+    """(tokenizer file, its kind, whether text gets BOS), as the manifest of the first export with a tokenizer
+    records them."""
     for directory, manifest in exports:
         if manifest.tokenizer is not None:
-            return safe_join(directory, manifest.tokenizer["file"]), manifest.add_bos
+            return safe_join(directory, manifest.tokenizer["file"]), manifest.tokenizer["kind"], manifest.add_bos
     return None
 
 
-def file_tokens(path: Path, tokenizer: Path | None, n_tokens: int, vocab_size: int, bos_id: int | None,
+def file_tokens(path: Path, tokenizer: Path | None, kind: TokenizerKind | None, n_tokens: int, vocab_size: int, bos_id: int | None,
                 eos_id: int | None, add_bos: bool = True) -> tuple[list[int], dict[str, Any]]:
-    """The file's tokens, BOS first when `add_bos` (the checkpoint's rule, as for a prompt), cut to `n_tokens`."""
+    """The file's tokens, BOS first when `add_bos` (the checkpoint's rule, as for a prompt), cut to `n_tokens`.
+    `kind`: the export's, or None for the checkpoint's file (by its name)."""
     need(tokenizer is not None, f"--text {path}: neither the exports nor the checkpoint have a tokenizer; "
                                 "use --generated N instead")
     try:
         text = Path(path).read_text(encoding="utf-8", errors="surrogateescape")
     except OSError as err:
         raise EdgeError(f"--text {path}: cannot read ({err.strerror})") from None
-    ids = {} if tokenizer.suffix == ".bin" else {"bos_id": bos_id, "eos_id": eos_id}  # llama2.c: fixed 1/2
-    tok = load_tokenizer(tokenizer, vocab_size, **ids)
+    tok = load_tokenizer(tokenizer, vocab_size, kind=kind, bos_id=bos_id, eos_id=eos_id)
     start = bos_id if add_bos and bos_id is not None else None
     ids = ([start] if start is not None else []) + tok.encode(text)
     need(len(ids) >= 2, f"--text {path}: needs at least 2 tokens, got {len(ids)}")
@@ -64,12 +59,12 @@ def generated_tokens(model: Decoder, n_new: int, seed: int, bos_id: int | None, 
 def display_tokenizer(exports: list[tuple[Path, Manifest]], fallback: Path | None, vocab_size: int,
                       bos_id: int | None, eos_id: int | None) -> Tokenizer | None:
     """A tokenizer to show greedy continuations as text in the report, or None (ids only)."""
-    path = find_tokenizer(exports, fallback)
+    found = export_tokenizer(exports)
+    path, kind = found[:2] if found is not None else (fallback, None)
     if path is None:
         return None
     try:
-        ids = {} if path.suffix == ".bin" else {"bos_id": bos_id, "eos_id": eos_id}
-        return load_tokenizer(path, vocab_size, **ids)
+        return load_tokenizer(path, vocab_size, kind=kind, bos_id=bos_id, eos_id=eos_id)
     except EdgeError:  # the report still has the ids; only --text needs a working tokenizer
         return None
 

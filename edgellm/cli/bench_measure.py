@@ -199,7 +199,7 @@ def bench_torch(checkpoint: Path, contexts: list[int], new_tokens: int, runs: in
     """`bench_torch_inprocess` in a child process (its own peak RSS, torch never loaded here)."""
     spec = json.dumps({"checkpoint": str(checkpoint), "contexts": contexts, "new_tokens": new_tokens,
                        "runs": runs, "threads": threads, "max_seq": max_seq, "max_foreign_pct": max_foreign_pct})
-    proc = subprocess.run([sys.executable, "-m", "edgellm.benchmarks", spec], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "edgellm.cli.bench_measure", spec], capture_output=True, text=True)
     if proc.returncode != 0:
         from edgellm.runtime.errors import EdgeError
 

@@ -1,11 +1,8 @@
 """The embedding and every layer of an in-place export as one graph (manifest format 4+, role "stack").
 
 Why: a decoded token ran N + 2 onnxruntime sessions (embed, N layers, head), each Run with its fixed cost
-(execution frame, thread-pool dispatch, Python binding). Measured on the stories110M shape (12 layers, int4,
-same process and minutes): the runtime decoded at 282 / 265 tok/s on the stack against 266 / 241 on the same
-layer graphs run one by one; against onnxruntime-genai's single graph, bench/ortgenai.py went from
-0.91-0.95x to 0.88-1.03x (noisy VM). Memory: the 0.5B shape's int4 peak RSS (bench) went from 827 to
-645 MB; its steady anonymous memory after loading from 556 to 452 MB (one session's state instead of 25).
+(execution frame, thread-pool dispatch, Python binding); one graph is faster and holds one session's state
+(docs/benchmarks.md, "Runtime design measurements").
 
 The stack is built from the layer graphs themselves (the fp32 ones by `edgellm export`, the quantized ones by
 `edgellm quantize --format fast`), so it computes exactly what they compute:

@@ -4,9 +4,8 @@ whose sequence dim S is symbolic.
 Why one graph: onnxruntime pre-packs a quantized weight per session, and Python cannot share packed weights
 between sessions, so a prefill and a decode session per layer held two packed copies. Why not the `If` of
 formats 3-4 (both variant graphs as branches, weights in the outer scope): onnxruntime keeps an outer-scope
-weight's raw copy until every branch has packed it, so loading the 0.5B shape's int4 stack peaked 190 MB
-above its steady state (549 vs 360 MB in isolation; one merged graph: 360, each raw weight dropped as soon
-as it is packed), loaded in 0.78 s against 0.48, and decoded 1-2 % slower.
+weight's raw copy until every branch has packed it, so loading peaked far above the steady state, and it
+loaded and decoded slower (docs/benchmarks.md, "History").
 
 The variants run the same nodes: the exporters build both from one recipe, and only constants holding S
 differ (shape targets of `Reshape`, the S of `total_len - S`). Merging requires exactly that — equal nodes
@@ -15,8 +14,7 @@ differ (shape targets of `Reshape`, the S of `total_len - S`). Merging requires 
   - the value S itself ([] or [1]): computed in the graph as Shape(first S input)[1], cast to its type.
 Anything else is refused (an internal error): a merged graph must compute what each variant computes.
   inputs / outputs  the variants' names; dim 1 symbolic ("S") where the variants differ (tokens, hidden)
-Manifest format 5 (`graphs[].paired`); formats 3-4 paired graphs are `If` graphs with the input `decode`,
-which the runtime still reads (graphio.selector_feeds).
+Manifest `graphs[].paired` (since format 5; the `If` graphs of formats 3-4 are no longer read).
 """
 
 from __future__ import annotations
