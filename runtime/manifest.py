@@ -31,6 +31,9 @@ readers accept exactly the versions listed):
      layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in row p % rows
      (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what the
      config implies (graphio.cache_rows). Versions 1-7 read as null.
+  9  the head may be paired (`head.onnx`, both variants, S symbolic; export writes it with the stack): one
+     session serves S = 1 and any other row count, e.g. the k + 1 rows of a speculative verification
+     (runtime/speculative.py). Versions 1-8 have unpaired heads only.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -52,8 +55,8 @@ from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 8
-READS = (1, 2, 3, 4, 5, 6, 7, 8)  # the versions this reader accepts
+FORMAT_VERSION = 9
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # the versions this reader accepts
 MANIFEST = "manifest.json"
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
@@ -200,8 +203,8 @@ class Manifest:
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
             check_io(g.role, g.seq, g.layer, g.selector, (g.inputs, g.outputs), dims, where)
             if g.paired:  # the other variant of this layer names the same files
-                need(g.role in ("layer", "stack") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
-                     f"{where}.paired: only layer or stack graphs of an 'inplace' export with prefill_chunk > 1")
+                need(g.role in ("layer", "stack", "head") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
+                     f"{where}.paired: only layer, stack or head graphs of an 'inplace' export with prefill_chunk > 1")
                 other = layers.get((g.layer, self.prefill_chunk if g.seq == 1 else 1))
                 need(g.role != "layer" or other is None or
                      (other.paired and (other.file, other.data) == (g.file, g.data)),
@@ -209,6 +212,9 @@ class Manifest:
         stacks = [g for g in self.graphs if g.role == "stack"]
         need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
              "graphs: the stack's two variants must be paired in one file")
+        heads = [g for g in self.graphs if g.role == "head"]
+        need(not any(g.paired for g in heads) or (len({g.file for g in heads}) == 1 and all(g.paired for g in heads)),
+             "graphs: a paired head's two variants must both be paired, in one file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
         optional = [r for r in OPTIONAL_ROLES if not any(g.role == r for g in self.graphs)]
         want = [(r, i, s) for r in roles if r not in optional
@@ -339,6 +345,9 @@ def _parse(doc: object) -> Manifest:
     if version < 8 and isinstance(doc.get("config"), dict):
         need(doc["config"].get("pos_embedding", "rope") == "rope",
              f"config.pos_embedding: absolute position tables need format_version 8, this manifest says {version}")
+    if version < 9 and isinstance(doc.get("graphs"), list):
+        need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
+             f"graphs: a paired head needs format_version 9, this manifest says {version}")
     if version < 7:  # every cache row is the model's head_dim wide
         doc = {**doc, "kv_head_dim": None}
     if version < 8:  # every layer's cache has max_seq rows

@@ -147,7 +147,7 @@ def test_manifest_positions_input_is_checked(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(EdgeError, match=r"\(embed\.prefill\)\.inputs: expected names \['tokens', 'positions'\]"):
         read_manifest(out)
-    path.write_text(good.replace('"format_version": 8', '"format_version": 7'))
+    path.write_text(good.replace('"format_version": 9', '"format_version": 7'))
     with pytest.raises(EdgeError, match="config.pos_embedding: absolute position tables need format_version 8"):
         read_manifest(out)
 
