@@ -39,9 +39,10 @@ from edgellm.loaders import load_checkpoint
 from edgellm.quant.calibrate import sample_sequences
 from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.options import QuantizeOptions
-from edgellm.quant.report import kl_per_position, log_softmax, ratio_by_kind
-from edgellm.quant.runner import ExportRunner
+from edgellm.quant.report import ratio_by_kind
+from edgellm.quant.runner import export_logits
 from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.metrics import kl_divergence, log_softmax
 from edgellm.runtime.tokenizer import load_tokenizer
 
 STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"
@@ -108,12 +109,12 @@ def eval_sequences(name: str, fp32: Path, n_tokens: int, text_file: Path) -> lis
 
 
 def evaluate(directory: Path, sequences: list[list[int]], refs: list[np.ndarray]) -> dict:
-    runner = ExportRunner(directory, read_manifest(directory))
     kl, agree, nll_q, nll_r = [], [], 0.0, 0.0
-    for seq, ref in zip(sequences, refs, strict=True):
-        got = runner.logits(seq)[:-1]          # row t predicts seq[t + 1]
+    for seq, ref, got in zip(sequences, refs, export_logits(directory, read_manifest(directory), sequences),
+                             strict=True):
+        got = got[:-1]                         # row t predicts seq[t + 1]
         r = ref[:-1]
-        kl.append(kl_per_position(r, got))
+        kl.append(kl_divergence(r, got))
         agree.append(r.argmax(-1) == got.argmax(-1))
         target = np.asarray(seq[1:])
         nll_q -= float(log_softmax(got)[np.arange(len(target)), target].sum())
@@ -137,8 +138,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     fp32 = export(ckpt, work / "fp32")
     text_file = work / "heldout.txt"
     sequences = eval_sequences(name, fp32, args.tokens, text_file)
-    base = ExportRunner(fp32, read_manifest(fp32))
-    refs = [base.logits(s) for s in sequences]
+    refs = export_logits(fp32, read_manifest(fp32), sequences)
     rows = []
     for c in GRID:
         out = work / label(c)

@@ -51,17 +51,11 @@ def log(msg: str) -> None:
 
 def metrics(ref: np.ndarray, got: np.ndarray, ids: list[int]) -> dict:
     """Rows 0..T-2 (each predicts the next id): top-1 agreement, mean KL(ref || got), PPL of got on the ids."""
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    from edgellm.runtime.metrics import kl_divergence, perplexity
 
-    lr, lg = log_softmax(ref[:-1]), log_softmax(got[:-1])
-    target = np.asarray(ids[1:])
-    rows = np.arange(len(target))
-    return {"top1": float((lr.argmax(-1) == lg.argmax(-1)).mean()),
-            "kl": float((np.exp(lr) * (lr - lg)).sum(-1).mean()),
-            "ppl": float(np.exp(-lg[rows, target].mean())), "positions": len(target)}
+    return {"top1": float((ref[:-1].argmax(-1) == got[:-1].argmax(-1)).mean()),
+            "kl": float(kl_divergence(ref[:-1], got[:-1]).mean()),
+            "ppl": perplexity(got, ids), "positions": len(ids) - 1}
 
 
 def size_mb(path: Path) -> float:
@@ -93,14 +87,10 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
 
 
 def edgellm_logits(directory: Path, ids: list[int], threads: int) -> np.ndarray:
-    from edgellm.diff.collect_ort import ExportRunner, export_trace
+    from edgellm.diff.collect_ort import export_trace, open_engine
     from edgellm.runtime.manifest import read_manifest
 
-    runner = ExportRunner(directory, read_manifest(directory), threads=threads)
-    try:
-        return export_trace(runner, ids).logits
-    finally:
-        runner.close()
+    return export_trace(open_engine(directory, read_manifest(directory), threads), ids).logits
 
 
 def edgellm_speed(directory: Path, threads: int) -> float:

@@ -119,10 +119,6 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
 
-    release_memory()
-    e2e = check_end_to_end(parts, partial, options.granularity, dims, options.prefill_chunk, options.seed)
-    need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
-                              f"> --atol {options.atol:g} (chunked prefill + decode, KVCache rule)")
     files = {rel: FileSpec(sha, (partial / rel).stat().st_size)
              for rec in records.values() for rel, sha in rec.files.items()}
     tok_entry = None
@@ -143,8 +139,13 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         bos_id=cfg.bos_id, eos_id=cfg.eos_id, eos_ids=eos_ids(cfg), sampler=asdict(SAMPLER_DEFAULTS), quantization=None,
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
-        verification={**verification, "end_to_end": e2e}, kv_head_dim=kv_head_dim,
+        verification=verification, kv_head_dim=kv_head_dim,
         kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None)
+    release_memory()
+    e2e = check_end_to_end(parts, partial, manifest, options.seed)
+    need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
+                              f"> --atol {options.atol:g} (chunked prefill + decode, the runtime's Engine)")
+    manifest = replace(manifest, verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)

@@ -126,7 +126,7 @@ def pair_head(directory: Path, manifest: Manifest) -> Manifest:
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
     """Max |stack - layers| / max(1, max |layers|) of the runtime Engine's logits, refused above
     STACK_TOLERANCE; the same tokens fed both ways: all but `decode_steps` as a prompt (prefill variant), the
-    rest one by one (decode variant). (Not against the prefill-only ExportRunner: int4 kernels at S = 1 and
+    rest one by one (decode variant). (Not against quantize's prefill-graph logits: int4 kernels at S = 1 and
     S = chunk differ by ~1e-2 themselves.)"""
     n = len(tokens) - decode_steps
     need(n > 0, "internal: the stack check needs more tokens than decode steps")

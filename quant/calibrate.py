@@ -4,8 +4,8 @@ the fp32 export itself in onnxruntime (no dataset, no download, no PyTorch).
 Tokens: sequences the export samples from BOS (the runtime's Generator, temperature 1, no top-k/top-p,
 seeds seed, seed+1, ...), i.e. text from the model's own distribution, which is what it will see at run
 time. Sampling, not greedy: greedy text from a small model loops, and a loop covers few channels.
-Capture: `ExportRunner(capture=True)` adds the A input of every weight MatMul as an output of a copy of
-each prefill graph, sums |x| over the real (unpadded) rows and keeps up to SAMPLE_ROWS rows, evenly
+Capture: `runner.Calibrator` runs the export through the runtime's Engine and reads the A input of every weight
+MatMul from a copy of each graph (a probe), sums |x| over the real (unpadded) rows and keeps up to SAMPLE_ROWS rows, evenly
 spaced over the tokens, for AWQ's scale search (awq.py).
 
 Uses: mean |x| weights the clip search (methods.py `mse` with act_scale minimises
@@ -26,7 +26,7 @@ from edgellm.runtime.generator import Generator
 from edgellm.runtime.manifest import Manifest
 from edgellm.runtime.sampling import SamplingParams, StopParams
 
-from .runner import ExportRunner
+from .runner import Calibrator
 
 MAX_SEQUENCE = 128   # tokens per calibration sequence (capped by max_seq): several stories, not one long one
 SAMPLE_ROWS = 256    # input rows kept per weight for AWQ's scale search (256 x K float32 each)
@@ -72,10 +72,10 @@ def calibrate(directory: Path, manifest: Manifest, n_tokens: int, seed: int,
     """Act scales of every weight of the export in `directory` over ~`n_tokens` sampled tokens."""
     sequences = sample_sequences(directory, n_tokens, seed)
     total = sum(map(len, sequences))
-    runner = ExportRunner(Path(directory), manifest, capture=True, sample_every=-(-total // SAMPLE_ROWS),
-                          sample_rows=SAMPLE_ROWS, hessians=hessians)
+    runner = Calibrator(Path(directory), manifest, sample_every=-(-total // SAMPLE_ROWS), sample_rows=SAMPLE_ROWS,
+                        hessians=hessians)
     for seq in sequences:
-        runner.logits(seq)
+        runner.feed(seq)
         if progress is not None:
             progress(len(seq))
     return Calibration(runner.act_scales(), runner.sampled(), total, len(sequences), seed, runner.hessians())

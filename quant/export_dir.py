@@ -33,12 +33,13 @@ from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifes
 from . import mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
+from .onnxedit import prune_initializers
 from .options import QuantizeOptions, logical_name, unmatched_keeps
 from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
 from .rewrite import quantize_model
-from .runner import ExportRunner
-from .storage import DataStore, prune_initializers
+from .runner import export_logits
+from .storage import DataStore
 from .tied import quantize_tied_gathers
 
 RECORD_VERSION = 1        # of the manifest's `quantization` object
@@ -241,8 +242,8 @@ def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
     """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration); and
     the stack graph (if any) vs the layer graphs it was built from, through the runtime's Engine."""
     (tokens,) = sample_sequences(src, min(CHECK_TOKENS, src_manifest.max_seq) - 1, seed + 1_000_003)
-    ref = ExportRunner(src, src_manifest).logits(tokens)
-    got = ExportRunner(tmp, new).logits(tokens)
+    (ref,) = export_logits(src, src_manifest, [tokens])
+    (got,) = export_logits(tmp, new, [tokens])
     comparison = compare_logits([ref], [got])
     need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
     if not new.has_stack:

@@ -2,7 +2,7 @@
 2022): error-compensating rounding of one linear weight, given the Hessian of its layer-wise loss.
 
 Objective, per weight W [N, K] and calibration inputs X [T, K]: minimise ||X (W - Wq)^T||^2, whose Hessian
-(per output row) is H = X^T X [K, K] (`ExportRunner(hessians=True)` accumulates it; the constant 2 / T
+(per output row) is H = X^T X [K, K] (`Calibrator(hessians=True)` accumulates it; the constant 2 / T
 does not change the solution). Columns are quantized one at a time (OBQ); the rounding error of column i
 is spread over the columns not yet quantized, weighted by the inverse Hessian:
     err = (w_i - q_i) / Hinv[i, i];   W[:, j] -= err * Hinv[i, j]   for j > i

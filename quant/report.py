@@ -1,5 +1,5 @@
 """What `edgellm quantize` prints and records: the per-weight table, size totals, and logit comparisons
-(top-1 agreement, KL, perplexity) of a quantized export against its fp32 source."""
+(top-1 agreement, KL) of a quantized export against its fp32 source; the metrics are runtime/metrics.py's."""
 
 from __future__ import annotations
 
@@ -8,29 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgellm.runtime.metrics import kl_divergence
+
 from .plan import WeightReport
 
 MB = 1e6
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[T, V] -> log-probabilities, in float64."""
-    x = logits.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def kl_per_position(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
-    """KL(p_ref || p_got) [T] for logits [T, V]: how much the quantized model's distribution diverges."""
-    lp, lq = log_softmax(ref), log_softmax(got)
-    return np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
-
-
-def perplexity(logits: np.ndarray, targets: Sequence[int]) -> float:
-    """exp(mean NLL) of `targets` [T] under logits [T, V] (row t predicts targets[t])."""
-    lp = log_softmax(logits)
-    nll = -lp[np.arange(len(targets)), np.asarray(targets)]
-    return float(np.exp(nll.mean()))
 
 
 @dataclass(frozen=True)
@@ -50,7 +32,7 @@ class LogitComparison:
 def compare_logits(ref: Sequence[np.ndarray], got: Sequence[np.ndarray]) -> LogitComparison:
     """Compare per-sequence logits [T, V] of the fp32 (`ref`) and quantized (`got`) exports."""
     r, g = np.concatenate(list(ref)), np.concatenate(list(got))
-    kl = kl_per_position(r, g)
+    kl = kl_divergence(r, g)
     return LogitComparison(len(r), float(np.mean(r.argmax(-1) == g.argmax(-1))), float(kl.mean()),
                            float(kl.max()), float(np.abs(r.astype(np.float64) - g).max()))
 

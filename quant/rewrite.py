@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgellm.runtime.errors import need
 
 from .methods import QuantSpec
+from .onnxedit import prune_initializers, require_opset
 from .plan import (
     DEFAULT_ACCURACY_LEVEL,
     FORMATS,
@@ -242,46 +243,19 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
     graph.ClearField("node")
     graph.node.extend(new_nodes)
     graph.initializer.extend(b.inits)
-    _drop_unused(graph, {name for name, _ in uses})
+    prune_initializers(graph, {name for name, _ in uses})  # the replaced ones
     if any(n.domain == "com.microsoft" for n in graph.node):
-        _require_opset(model, "com.microsoft", 1)
+        require_opset(model, "com.microsoft", 1)
     if opset_needed:
         # ops whose meaning changed in opsets 19..21 (decoder graphs use none): refuse rather than alter them
         changed = {n.op_type for n in graph.node} & {"DFT", "GroupNormalization"}
         need(not changed or _opset(model) >= opset_needed,
              f"portable format needs opset {opset_needed}, but raising it would change {sorted(changed)}: "
              f"export at opset {opset_needed} instead")
-        _require_opset(model, "", opset_needed)
+        require_opset(model, "", opset_needed)
         model.ir_version = max(model.ir_version, 10)          # int4 and opset 21 need IR 10
     return reports
 
 
-def _used_names(graph: onnx.GraphProto) -> set[str]:
-    used = {o.name for o in graph.output}
-    for node in graph.node:
-        used.update(node.input)
-        for attr in node.attribute:                        # If / Loop / Scan bodies read outer names
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                used |= _used_names(sub)
-    return used
-
-
-def _drop_unused(graph: onnx.GraphProto, candidates: set[str]) -> None:
-    """Remove the replaced initializers nothing reads any more (and their value_info)."""
-    dead = candidates - _used_names(graph)
-    for field_ in (graph.initializer, graph.value_info):   # delete in place: no copy of the other weights
-        for i in reversed([i for i, t in enumerate(field_) if t.name in dead]):
-            del field_[i]
-
-
 def _opset(model: onnx.ModelProto) -> int:
     return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
-
-
-def _require_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
-    """Raise (never lower) the opset import of `domain` to `version`, adding it if missing."""
-    for op in model.opset_import:
-        if op.domain == domain or (domain == "" and op.domain == "ai.onnx"):
-            op.version = max(op.version, version)
-            return
-    model.opset_import.append(helper.make_opsetid(domain, version))

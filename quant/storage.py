@@ -90,24 +90,3 @@ class DataStore:
     @property
     def files(self) -> list[str]:
         return sorted(self._ends)
-
-
-def prune_initializers(graph: onnx.GraphProto) -> list[str]:
-    """Drop initializers (and their value_info) that no node, subgraph or output reads; returns their names."""
-    used = _used(graph)
-    dead = [t.name for t in graph.initializer if t.name not in used]
-    dead_set = set(dead)
-    for field_ in (graph.initializer, graph.value_info):
-        for i in reversed([i for i, t in enumerate(field_) if t.name in dead_set]):
-            del field_[i]
-    return dead
-
-
-def _used(graph: onnx.GraphProto) -> set[str]:
-    names = {o.name for o in graph.output}
-    for node in graph.node:
-        names.update(node.input)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                names |= _used(sub)
-    return names

@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgellm.runtime.errors import need
 
+from .onnxedit import require_opset
 from .plan import QuantPlan, WeightReport, WeightSite
 from .schemes import QuantizedWeight, to_dequantize_linear
 
@@ -181,15 +182,7 @@ def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[Weigh
         graph.node.extend(nodes)
         if any(n.op_type == "DequantizeLinear" for n in nodes):
             blocked = any(a.name == "block_size" for n in nodes if n.op_type == "DequantizeLinear" for a in n.attribute)
-            _require_opset(model, 21 if blocked else 13)
+            require_opset(model, "", 21 if blocked else 13)
             if blocked:
                 model.ir_version = max(model.ir_version, 10)
     return reports
-
-
-def _require_opset(model: onnx.ModelProto, version: int) -> None:
-    for op in model.opset_import:
-        if op.domain in ("", "ai.onnx"):
-            op.version = max(op.version, version)
-            return
-    model.opset_import.append(helper.make_opsetid("", version))

@@ -15,13 +15,19 @@ real rows are written to the cache (padding comes after the real tokens, so the 
 of every real row). A 1-token remainder uses the S = 1 graphs instead; so does an inplace chunk whose padding
 would run past the end of the cache (the graph writes all S rows): `kvcache.plan_calls`. With layer granularity the head runs
 once per prompt, on the last real row only, through its S = 1 graph: the prefill head's [S, V] logits
-would be thrown away but for one row.
+would be thrown away but for one row. `forward_rows` (teacher forcing, perplexity, speculative decoding's
+verification) wants every row's logits instead: its prefill chunks go through the S = prefill_chunk head,
+opened on its first call.
+
+A `hook` (forward_rows) sees every graph's bound buffers right after that graph ran (`GraphRun`): the diff
+reads the hidden state after each layer from it; the K/V rows are in the cache once the call returns.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +37,7 @@ from .errors import EdgeError
 from .fileio import safe_join
 from .graphio import selector_feeds
 from .kvcache import KVCache, plan_calls
-from .manifest import Manifest
+from .manifest import GraphSpec, Manifest
 from .placement import plan
 from .session import (
     BoundGraph,
@@ -49,6 +55,24 @@ if TYPE_CHECKING:
 # row read after it) costs ~0.1-0.3 ms with the thread pool's TLBs to flush, < 1 % of 50 ms at any step time;
 # RSS then holds at most the folios of the tokens read in the last 50 ms
 TABLE_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """What a `forward_rows` hook sees right after one graph ran. The arrays are the Engine's bound buffers
+    (views: the next run overwrites them; copy what you keep): rows [0, count) of each [1, S, ...] input and
+    output are real, the rest padding. Layer and model graphs of kv_layout "rows" return only the S new K/V
+    rows (present_*), written to the cache after the step's last graph; "inplace" present_* are the cache
+    buffers themselves, already written."""
+
+    spec: GraphSpec                 # which graph (role, layer, seq)
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    start: int                      # the cache length before this call: the position of its first row
+    count: int                      # real rows (<= spec.seq)
+
+
+Hook = Callable[[GraphRun], None]
 
 
 def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
@@ -69,6 +93,7 @@ class _Variant:
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
         self.graphs: list[BoundGraph] = []
+        self.specs: list[GraphSpec] = []  # graphs[i]'s manifest entry
         self.logits: np.ndarray | None = None      # [1, S, V]; layer granularity: S = 1 only
         self.hidden_out: np.ndarray | None = None  # the last layer's output (layer granularity)
         self.body: list[BoundGraph] = []  # what a chunk runs: embed + layers (the head runs once, last), or model
@@ -102,9 +127,18 @@ class Engine:
         self._tables_released = time.perf_counter()
         self.chunk = manifest.prefill_chunk
         self._paired: dict[str, InferenceSession] = {}  # paired graph file -> its one session
+        self._rows_head: _Variant | None = None  # the S = prefill_chunk head (forward_rows), opened on first use
         # decode graphs first: if the prefill graphs fail to load, nothing of them stays half-built
         self.decode = self._build(1)
         self.prefill = self._build(self.chunk) if self.chunk > 1 else self.decode
+
+    @classmethod
+    def open(cls, directory: Path, manifest: Manifest, config: SessionConfig | None = None) -> Engine:
+        """An Engine with an empty cache of its own (`engine.cache`) and its own clock: for the host-side
+        callers (diff, quantize's checks, export's end-to-end check); the Generator passes its own."""
+        m = manifest
+        cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
+        return cls(directory, m, cache, config if config is not None else SessionConfig(), RunClock())
 
     # ----------------------------------------------------------------------------------------- building
 
@@ -132,9 +166,8 @@ class Engine:
             for i in range(m.n_layers):
                 inputs[f"past_key.{i}"], inputs[f"past_value.{i}"] = self.cache.keys[i], self.cache.values[i]
                 outputs[f"present_key.{i}"], outputs[f"present_value.{i}"] = v.keys[i], v.values[i]
-            session, spec = self._session("model", seq)
-            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
-            v.body, v.release = list(v.graphs), [self.placement[spec.name].release]
+            self._bind(v, "model", seq, None, inputs, outputs)
+            v.body, v.release = list(v.graphs), [self.placement[v.specs[0].name].release]
             v.releases = any(v.release)
             return v
         if self.stacked:
@@ -146,10 +179,16 @@ class Engine:
         v.releases = any(v.release)
         if seq == 1:  # the head runs only at S = 1 (see the module docstring)
             v.logits = np.zeros((1, 1, m.vocab_size), np.float32)
-            session, spec = self._session("head", 1)
-            v.graphs.append(BoundGraph(session, {"hidden": v.hidden_out}, {"logits": v.logits}, self.clock,
-                                       spec.name))
+            self._bind(v, "head", 1, None, {"hidden": v.hidden_out}, {"logits": v.logits})
         return v
+
+    def _bind(self, v: _Variant, role: str, seq: int, layer: int | None, inputs: dict[str, np.ndarray],
+              outputs: dict[str, np.ndarray]) -> None:
+        """Open (or share) the graph's session, bind its buffers and append it to the variant."""
+        session, spec = self._session(role, seq, layer)
+        v.graphs.append(BoundGraph(session, inputs | selector_feeds(spec.selector, seq), outputs, self.clock,
+                                   spec.name))
+        v.specs.append(spec)
 
     def _bind_layers(self, v: _Variant) -> None:
         """embed -> layer_0 .. layer_{N-1}, one session each."""
@@ -158,9 +197,7 @@ class Engine:
             v.add_present(m.n_layers, m)
         # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
         hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
-        session, spec = self._session("embed", seq)
-        v.graphs.append(BoundGraph(session, {"tokens": v.tokens, **self._embed_positions(v)}, {"hidden": hidden[0]},
-                                   self.clock, spec.name))
+        self._bind(v, "embed", seq, None, {"tokens": v.tokens, **self._embed_positions(v)}, {"hidden": hidden[0]})
         if self.in_place:
             common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
         else:
@@ -171,9 +208,7 @@ class Engine:
             present = (self.cache.keys[i], self.cache.values[i]) if self.in_place else (v.keys[i], v.values[i])
             outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
                        f"present_value.{i}": present[1]}
-            session, spec = self._session("layer", seq, i)
-            inputs |= selector_feeds(spec.selector, seq)
-            v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
+            self._bind(v, "layer", seq, i, inputs, outputs)
         v.hidden_out = hidden[m.n_layers % 2]
 
     def _bind_stack(self, v: _Variant) -> None:
@@ -186,9 +221,7 @@ class Engine:
         for i in range(m.n_layers):
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
-        session, spec = self._session("stack", seq)
-        inputs |= selector_feeds(spec.selector, seq)
-        v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
+        self._bind(v, "stack", seq, None, inputs, outputs)
 
     def _embed_positions(self, v: _Variant) -> dict[str, np.ndarray]:
         """The embedding's `positions` input, for models with an absolute position table (format 8)."""
@@ -211,7 +244,44 @@ class Engine:
             self._run_chunk(variant, tokens[start:start + count], count)
         return self._logits(variant, count)
 
-    def _run_chunk(self, v: _Variant, tokens: Sequence[int] | np.ndarray, count: int) -> None:
+    def forward_rows(self, tokens: Sequence[int] | np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        """Feed `tokens` (all must fit in the cache) like `forward`, through the same graph calls
+        (`kvcache.plan_calls`); return the logits of every one of them, [n, V] float32 (a new array): row i
+        predicts the token after tokens[i]. A lone token costs what `forward` does; a prefill chunk's head runs
+        at S = prefill_chunk (layer granularity). `hook`, when given, is called with a `GraphRun` right after
+        each graph ran, the head included. The cache advances by n (`KVCache.rewind` takes rows back)."""
+        n = len(tokens)
+        if not 0 < n <= self.cache.free:
+            raise EdgeError(f"forward_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
+        rows = np.empty((n, self.manifest.vocab_size), np.float32)
+        cache = self.cache
+        for start, count, seq in plan_calls(n, self.chunk, cache.length, cache.max_seq, self.manifest.kv_layout):
+            variant = self.decode if seq == 1 else self.prefill
+            self._run_chunk(variant, tokens[start:start + count], count, hook)
+            rows[start:start + count] = self._all_logits(variant, count, hook)
+        return rows
+
+    def _all_logits(self, v: _Variant, count: int, hook: Hook | None) -> np.ndarray:
+        """Logits [count, V] of the chunk `v` just ran (a view)."""
+        if self.layered:
+            if v.seq > 1 and self._rows_head is None:
+                self._rows_head = _Variant(v.seq)
+                self._rows_head.logits = np.zeros((1, v.seq, self.manifest.vocab_size), np.float32)
+                self._bind(self._rows_head, "head", v.seq, None, {"hidden": v.hidden_out},
+                           {"logits": self._rows_head.logits})
+                self._rows_head.release = [self.placement[self._rows_head.specs[0].name].release]
+            head = self.decode if v.seq == 1 else self._rows_head
+            head.graphs[-1].run()
+            if v.seq > 1 and head.release[0]:  # placed like the other prefill graphs (placement.py)
+                self.weights.release(head.release[0])
+            if hook is not None:
+                graph = head.graphs[-1]
+                hook(GraphRun(head.specs[-1], graph.inputs, graph.outputs, self.cache.length - count, count))
+            v = head
+        return v.logits[0, :count]
+
+    def _run_chunk(self, v: _Variant, tokens: Sequence[int] | np.ndarray, count: int,
+                   hook: Hook | None = None) -> None:
         cache = self.cache
         length = cache.length
         v.tokens[0, :count] = tokens
@@ -226,7 +296,13 @@ class Engine:
             v.positions[0, 0] = length
         else:  # padded rows get valid positions too (clamped): their values are never used
             np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
-        if v.releases:
+        if hook is not None:
+            for graph, spec, release in zip(v.body, v.specs, v.release, strict=False):  # specs: + the head's
+                graph.run()
+                hook(GraphRun(spec, graph.inputs, graph.outputs, length, count))
+                if release:
+                    self.weights.release(release)
+        elif v.releases:
             for graph, release in zip(v.body, v.release, strict=True):
                 graph.run()
                 if release:  # a prefill graph's unpacked weights: out of RSS until its next run

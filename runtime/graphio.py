@@ -13,7 +13,9 @@ import numpy as np
 from .errors import need
 from .jsoncheck import is_int
 
-MAX_LAYERS = 1024  # sanity bound: a corrupt n_layers must not make validation build billions of names
+# sanity bound: a corrupt n_layers must not make validation build billions of names, nor a (meta-device)
+# ModelConfig billions of modules
+MAX_LAYERS = 1024
 
 
 @dataclass(frozen=True)

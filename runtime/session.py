@@ -50,6 +50,7 @@ class SessionConfig:
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
     optimization: str = "all"        # graph optimisation level: disable | basic | extended | all
     stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
+    entries: tuple[tuple[str, str], ...] = ()  # more session config entries (tests: the QDQ accuracy level)
 
     def validate(self) -> None:
         # each session gets its own pool of `threads`: an absurd count would start that many OS threads N + 2
@@ -86,6 +87,8 @@ def session_options(config: SessionConfig, prepack: bool) -> ort.SessionOptions:
     so.log_severity_level = 4  # fatal only: warnings are not the user's business, errors come back as EdgeError
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.spinning else "0")
     so.add_session_config_entry("session.disable_prepacking", "0" if prepack else "1")
+    for key, value in config.entries:
+        so.add_session_config_entry(key, value)
     return so
 
 
@@ -182,7 +185,7 @@ class BoundGraph:
         need(want_in == set(inputs), f"{where}: graph inputs {sorted(want_in)}, expected {sorted(inputs)}")
         need(want_out == set(outputs), f"{where}: graph outputs {sorted(want_out)}, expected {sorted(outputs)}")
         self.session, self.clock, self.where = session, clock, where
-        self.buffers = {**inputs, **outputs}  # keeps the memory the binding points into alive
+        self.inputs, self.outputs = inputs, outputs  # keep the memory the binding points into alive
         self.binding = session.io_binding()
         for name, array in inputs.items():
             self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(_checked(array, where)))

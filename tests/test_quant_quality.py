@@ -24,9 +24,10 @@ from edgellm.loaders import load_checkpoint
 from edgellm.quant.calibrate import calibrate, sample_sequences
 from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.options import QuantizeOptions
-from edgellm.quant.report import compare_logits, perplexity
-from edgellm.quant.runner import ExportRunner
+from edgellm.quant.report import compare_logits
+from edgellm.quant.runner import export_logits
 from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.metrics import perplexity
 
 STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin"
 pytestmark = pytest.mark.skipif(not STORIES260K.is_file(), reason="stories260K.bin not available")
@@ -44,17 +45,15 @@ def fp32(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def heldout(fp32) -> tuple[list[list[int]], list[np.ndarray]]:
     sequences = sample_sequences(fp32, 512, seed=50_000)
-    runner = ExportRunner(fp32, read_manifest(fp32))
-    return sequences, [runner.logits(s) for s in sequences]
+    return sequences, export_logits(fp32, read_manifest(fp32), sequences)
 
 
 def measure(directory: Path, heldout) -> tuple[float, float, float]:
     """(mean KL vs fp32, top-1 agreement, perplexity) over the held-out positions."""
     sequences, refs = heldout
-    runner = ExportRunner(directory, read_manifest(directory))
-    got = [runner.logits(s) for s in sequences]
+    got = export_logits(directory, read_manifest(directory), sequences)
     c = compare_logits([r[:-1] for r in refs], [g[:-1] for g in got])
-    ppl = float(np.exp(np.mean([np.log(perplexity(g[:-1], s[1:])) for g, s in zip(got, sequences, strict=True)])))
+    ppl = float(np.exp(np.mean([np.log(perplexity(g, s)) for g, s in zip(got, sequences, strict=True)])))
     return c.mean_kl, c.top1_agreement, ppl
 
 

@@ -33,6 +33,7 @@ from edgellm.quant.schemes import Scheme, dequantize
 from edgellm.runtime.kvcache import step_feeds
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.onnxmeta import external_tensors
+from edgellm.runtime.session import SessionConfig
 from tests.export_helpers import onnx_generate_logits, torch_logits
 from tests.quant_helpers import export, quantize
 
@@ -54,11 +55,8 @@ def untied(tmp_path_factory) -> tuple[Decoder, Path]:
 
 def generate(directory: Path, tokens: list[int], steps: int, qdq_level: int | None = None) -> tuple[np.ndarray, list[int]]:
     """export_helpers.onnx_generate_logits with a session config: logits [T + steps, V], greedy tokens."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if qdq_level is not None:
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(qdq_level))
-    return onnx_generate_logits(directory, tokens, steps, so)
+    entries = (("session.qdq_matmulnbits_accuracy_level", str(qdq_level)),) if qdq_level is not None else ()
+    return onnx_generate_logits(directory, tokens, steps, SessionConfig(stack=False, entries=entries))
 
 
 def dequantized(model: Decoder, bits: int, group: int, symmetric: bool) -> Decoder:

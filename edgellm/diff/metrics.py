@@ -6,7 +6,8 @@ Tensor errors (per-layer hidden states, K/V rows): cosine similarity, max abs di
 Logit metrics follow llama.cpp's `--kl-divergence` report: KL(P_ref || P_export) per position, top-1
 agreement ("same top p"), top-5 overlap, and Δp. Here Δp is the probability the export gives the
 reference's top token minus the reference's own probability for it (negative = the export is less sure of
-the reference's choice); llama.cpp uses the text's next token instead, which `ppl` covers.
+the reference's choice); llama.cpp uses the text's next token instead, which `ppl` covers. log_softmax, KL and
+perplexity (row i predicts token i+1) are runtime/metrics.py's.
 
 Drift: `first_jump` names the first layer whose error jumps; the rule is in its docstring.
 """
@@ -17,6 +18,10 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from edgellm.runtime.metrics import BLOCK, kl_divergence, kl_rows, log_softmax, perplexity
+
+__all__ = ["kl_divergence", "log_softmax", "perplexity"]  # (runtime/metrics.py's, used here and by quantize)
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -49,25 +54,6 @@ def tensor_errors(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
             "rel_rms": rel, "snr_db": snr}
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[..., V] -> log-probabilities in float64 (max-subtracted, so large logits do not overflow)."""
-    x = np.asarray(logits, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def _kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
-    """KL per row from log-probabilities [T, V] -> [T]; p = 0 terms contribute 0 (p log p -> 0)."""
-    p = np.exp(lp)
-    terms = np.where(p > 0, p * (lp - lq), 0.0)
-    return np.maximum(terms.sum(axis=-1), 0.0)  # rounding can give -1e-17 for identical rows
-
-
-def kl_divergence(ref_logits: np.ndarray, got_logits: np.ndarray) -> np.ndarray:
-    """KL(P_ref || P_got) per position: [T, V] x [T, V] -> [T] nats, sum_v p (log p - log q)."""
-    return _kl(log_softmax(ref_logits), log_softmax(got_logits))
-
-
 def summarize(values: np.ndarray) -> dict[str, float]:
     """mean, std, min, median/p90/p95/p99 (linear interpolation) and max of a 1-D array."""
     v = np.asarray(values, np.float64)
@@ -91,14 +77,11 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=-1)
 
 
-_BLOCK = 16  # positions per block: the float64 [16, V] temporaries stay ~20 MB each even at V = 152k
-
-
 def _block(ref: np.ndarray, got: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per-position (kl, top1, top5 overlap, Δp) and the block's max |Δlogit|, for ref/got [b, V]."""
     ref, got = np.asarray(ref, np.float64), np.asarray(got, np.float64)
     lp, lq = log_softmax(ref), log_softmax(got)
-    kl = _kl(lp, lq)
+    kl = kl_rows(lp, lq)
     kl[~np.all(np.isfinite(got), axis=-1)] = math.inf  # NaN/Inf logits: maximally wrong, not "nan"
     top = ref.argmax(-1)  # argmax: the first (lowest) id among ties, as greedy picks
     top1 = top == got.argmax(-1)
@@ -117,7 +100,7 @@ def logit_metrics(ref_logits: np.ndarray, got_logits: np.ndarray) -> dict[str, o
     memory stays bounded for large vocabularies.
     """
     n = len(ref_logits)
-    parts = [_block(ref_logits[i:i + _BLOCK], got_logits[i:i + _BLOCK]) for i in range(0, n, _BLOCK)]
+    parts = [_block(ref_logits[i:i + BLOCK], got_logits[i:i + BLOCK]) for i in range(0, n, BLOCK)]
     kl, top1, overlap, dp = (np.concatenate([p[j] for p in parts]) for j in range(4))
     return {
         "n_positions": int(n),
@@ -128,15 +111,6 @@ def logit_metrics(ref_logits: np.ndarray, got_logits: np.ndarray) -> dict[str, o
         "dp": {"mean": float(dp.mean()), "rms": float(np.sqrt((dp ** 2).mean())), "worst": float(dp.min())},
         "max_abs_logit": float(max(p[4] for p in parts)),
     }
-
-
-def perplexity(logits: np.ndarray, tokens: Sequence[int]) -> float:
-    """exp(mean NLL) of tokens[1:] under logits[:-1]: logits [T, V] predict tokens [T] shifted by one."""
-    targets = np.asarray(tokens[1:], np.int64)
-    nll = [-log_softmax(logits[i:i + _BLOCK])[np.arange(len(targets[i:i + _BLOCK])), targets[i:i + _BLOCK]]
-           for i in range(0, len(targets), _BLOCK)]
-    mean = float(np.concatenate(nll).mean())
-    return math.exp(mean) if mean < 700 else math.inf  # a broken export: no OverflowError
 
 
 def first_jump(errors: Sequence[float | None], factor: float, floor: float,

@@ -17,7 +17,7 @@ from edgellm.loaders.loaded import Loaded
 from edgellm.runtime.errors import need
 from edgellm.runtime.manifest import Manifest, read_manifest
 
-from .collect_ort import ExportRunner, export_greedy, export_trace
+from .collect_ort import export_greedy, export_trace, open_engine
 from .collect_torch import torch_greedy, torch_trace
 from .compare import greedy_agreement, logits_and_ppl, per_layer
 from .gate import evaluate_gate, parse_gate
@@ -206,10 +206,10 @@ def _variant(name: str, directory: Path, manifest: Manifest, ref: tuple[Trace, l
     t0 = time.perf_counter()
     o = ctx.options
     ref_trace, ref_runs = ref
-    runner = ExportRunner(directory, manifest, ctx.threads)
+    engine = open_engine(directory, manifest, ctx.threads)
     ctx.bar.set_description(f"{name}: teacher-forced pass")
-    got = export_trace(runner, ctx.tokens)
-    runner.close()
+    got = export_trace(engine, ctx.tokens)
+    del engine  # its sessions and weight maps, before the Generator opens its own
     ctx.bar.update()
     ctx.bar.set_description(f"{name}: greedy continuations")
     prompts = [ctx.tokens[s:s + o.prompt_len] for s in ctx.starts]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgellm.runtime.errors import EdgeError, need
+from edgellm.runtime.graphio import MAX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,6 @@ POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")
 MLP_KINDS = ("swiglu", "gelu", "gelu_tanh")
 GLU_ACTS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
-MAX_LAYERS = 1024  # a corrupt n_layers must not make even a meta-device model build billions of modules
 _TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
                                               "dict[str, Any]": dict}
 _JSON_NAMES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
