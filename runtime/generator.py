@@ -44,12 +44,19 @@ from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, sample
+from .speculative import DRAFT_TOKENS, MODES, Stats, speculation_off, speculative_tokens
 from .session import RunClock, SessionConfig
 from .stats import Timings, make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 FINISH_REASONS = ("eos", "stop", "length", "max_new_tokens")
+
+
+def _lookup():
+    from .drafting import PromptLookup
+
+    return PromptLookup()
 
 
 class TokenEvent:
@@ -77,10 +84,12 @@ class Result:
     prompt_ids: list[int]         # what was fed this call (after BOS / truncation / a carried-over token)
     timings: Timings
     peak_rss_mb: float
+    speculative: dict | None = None  # Stats.to_dict(): mode, drafted, accepted, verifications (None: off)
 
     def to_dict(self) -> dict:
+        spec = {"speculative": self.speculative} if self.speculative is not None else {}
         return {"text": self.text, "token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
-                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1)}}
+                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1), **spec}}
 
 
 def _greedy(logits: np.ndarray) -> int:
@@ -112,6 +121,7 @@ class Generator:
         # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
         self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
+        self.speculative, self.draft_tokens, self._draft = "off", DRAFT_TOKENS, None  # see speculate()
 
     @classmethod
     def open(cls, directory: str | Path, threads: int | None = None, *, config: SessionConfig | None = None,
@@ -135,6 +145,23 @@ class Generator:
                                               tokenizer.token_text(manifest.bos_id),
                                               tokenizer.token_text(manifest.eos_id))
         return cls(directory, manifest, tokenizer, config, template)
+
+    def speculate(self, speculative: str = "lookup", draft: str | Path | None = None,
+                  draft_tokens: int = DRAFT_TOKENS, config: SessionConfig | None = None) -> None:
+        """Turn speculative decoding on (runtime/speculative.py) or off: "lookup" drafts from the context
+        (prompt lookup), "draft" runs the export `draft` (same tokenizer) as the drafter; up to `draft_tokens`
+        drafts per verification. Speculation stays off on ring caches (the reason is `speculation_off`)."""
+        need(speculative in MODES, f"--speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
+        need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
+             f"--draft-tokens: expected an integer in 1..32, got {draft_tokens!r}")
+        need((speculative == "draft") == (draft is not None), "--draft DIR: needed by --speculative draft, and only there")
+        self.speculative, self.draft_tokens = speculative, draft_tokens
+        if speculative == "draft":
+            from .drafting import DraftModel
+
+            tok = self.manifest.tokenizer
+            target = {"sha256": self.manifest.files[tok["file"]].sha256} if tok is not None else None
+            self._draft = DraftModel(Path(draft), self.manifest.vocab_size, config or self.engine.config, target)
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -266,14 +293,27 @@ class Generator:
         reason = "max_new_tokens"
         first = last = start
         run_at_first = 0.0
+        spec = None
         if stop.max_new_tokens == 0:
             self._carry = feed  # nothing generated: the prompt waits for the next call
         else:
             logits = self.engine.forward(feed)
             self._history[self.cache.length - len(feed):self.cache.length] = feed
-            while True:
-                token = _greedy(logits) if plain_greedy else sample(
+
+            def pick(logits: np.ndarray) -> int:
+                return _greedy(logits) if plain_greedy else sample(
                     logits, sampling, rng, self._history[:self.cache.length] if penalise else ())
+
+            source = self._plain_tokens(pick, logits)
+            # greedy with a repetition penalty: plain (its per-row history is not worth the code)
+            if self.speculative != "off" and speculation_off(self.cache) is None and not (
+                    sampling.temperature == 0 and penalise):
+                spec = Stats(self.speculative)
+                drafter = self._draft if self.speculative == "draft" else _lookup()
+                greedy = sampling.temperature == 0
+                source = speculative_tokens(self, drafter, self.draft_tokens, pick, logits,
+                                            None if greedy else sampling, rng, stop.max_new_tokens, spec)
+            for token in source:
                 last = perf_counter()
                 if not new:
                     first, run_at_first = last, self.clock.seconds
@@ -297,9 +337,7 @@ class Generator:
                 yield TokenEvent(token, delta)
                 if reason:
                     break
-                logits = self.engine.forward((token,))
-                self._carry = []
-                self._history[self.cache.length - 1] = token
+            source.close()  # a speculative source rewinds the cache to the last token's rows
         tail = matcher.feed(decoder.flush()) + matcher.flush() if decoder is not None else ""
         if tail:
             text.append(tail)
@@ -307,7 +345,16 @@ class Generator:
         picked = len(new) + (reason == "eos")
         timings = make_timings(len(feed), len(new), max(picked - 1, 0), first - start, last - first,
                                self.clock.seconds - run_at_first)
-        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb())
+        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb(), spec.to_dict() if spec else None)
+
+    def _plain_tokens(self, pick, logits: np.ndarray) -> Iterator[int]:
+        """One token per forward: picked, yielded (not fed yet), then fed when the caller asks for the next."""
+        while True:
+            token = pick(logits)
+            yield token
+            logits = self.engine.forward((token,))
+            self._carry = []
+            self._history[self.cache.length - 1] = token
 
     def complete(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                  stop: StopParams | None = None, *, truncate: bool = False, ignore_eos: bool = False,
