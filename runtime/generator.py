@@ -44,8 +44,8 @@ from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, sample
-from .speculative import DRAFT_TOKENS, MODES, Stats, speculation_off, speculative_tokens
 from .session import RunClock, SessionConfig
+from .speculative import DRAFT_TOKENS, MODES, Stats, speculation_off, speculative_tokens
 from .stats import Timings, make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
