@@ -89,8 +89,10 @@ def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingPara
 class Adaptive:
     """How many tokens to draft next (0: a plain step), from the accept rate and the measured costs."""
 
-    def __init__(self, k_max: int, pause: int = 16, max_pause: int = 256) -> None:
-        self.k_max, self.base_pause, self.max_pause = k_max, pause, max_pause
+    def __init__(self, k_max: int, timed: bool = True, pause: int = 16, max_pause: int = 256) -> None:
+        """`timed` False: costs from the fixed model only, so k (and with sampling, the random draws each k
+        consumes) depends on the tokens alone: a seed reproduces the text."""
+        self.k_max, self.timed, self.base_pause, self.max_pause = k_max, timed, pause, max_pause
         self.rate = 0.7                 # EMA of accepted / drafted
         self.step_s: float | None = None  # EMA seconds of a plain step
         self.row_s: dict[int, float] = {}  # k -> EMA seconds of a verification of k drafts
@@ -98,7 +100,7 @@ class Adaptive:
 
     def cost(self, k: int) -> float:
         """A verification of k drafts in plain steps (measured; 1 + 0.1 k until measured)."""
-        if self.step_s is None or k not in self.row_s:
+        if not self.timed or self.step_s is None or k not in self.row_s:
             return 1.0 + 0.1 * k
         return max(self.row_s[k] / self.step_s, 1.0)
 
@@ -153,7 +155,7 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
     may stop at any yield (close()): the cache is then rewound to that token's `valid`. `sampling` None:
     greedy acceptance."""
     engine, cache, history = gen.engine, gen.cache, gen._history
-    adaptive = Adaptive(k_max)
+    adaptive = Adaptive(k_max, timed=sampling is None)
     drafter.reset(history[:cache.length].tolist())
     valid = cache.length
     emitted = 0
