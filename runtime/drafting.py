@@ -1,7 +1,7 @@
 """Drafters for speculative decoding (runtime/speculative.py): cheap guesses of the next k tokens, which the
 target model then checks in one forward over k + 1 rows.
 
-- `PromptLookup`: no model. The last n tokens of the context (n = 3, then 2, then 1) are looked up among the
+- `PromptLookup`: no model. The last n tokens of the context (n = 3, then 2; 1 with min_ngram=1) are looked up among the
   earlier n-grams of the context; the tokens that followed their latest occurrence are the draft. Text that
   quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted
   whole. The index is a dict per n, updated as each token arrives: O(n) per token, O(1) per proposal.
@@ -21,14 +21,17 @@ import numpy as np
 from .errors import need
 
 MAX_NGRAM = 3
+# a 1-token match (",", "the") drafts what followed its latest occurrence, mostly wrong in free text: each such
+# verification costs more than the token it wins (SmolLM2 chat tasks, bench/speculative.py)
+MIN_NGRAM = 2
 
 
 class PromptLookup:
     """n-gram lookup over the context so far (prompt + generated tokens)."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM) -> None:
-        need(max_ngram >= 1, f"prompt lookup: expected an n-gram length >= 1, got {max_ngram}")
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        need(1 <= min_ngram <= max_ngram, f"prompt lookup: expected 1 <= n-gram lengths, got {min_ngram}..{max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         # index[n-1]: the n tokens ending just before position p -> p (the latest such p): what followed them
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
@@ -52,7 +55,7 @@ class PromptLookup:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix ([] when
         no suffix of 1..max_ngram tokens occurred before)."""
         ctx = self.tokens
-        for n in range(min(self.max_ngram, len(ctx)), 0, -1):
+        for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
             p = self.index[n - 1].get(tuple(ctx[-n:]))
             if p is not None:
                 return ctx[p:p + k]

@@ -15,7 +15,8 @@ Acceptance (row i of the verification = the target's logits after the last token
 
 `Adaptive` keeps speculation from costing time: an accept-rate EMA and the measured cost of a verification
 (relative to a plain step) pick the k with the best expected tokens per unit of time; when even that is below
-a plain step, drafting pauses (16 steps, doubling up to 256 while probes keep failing).
+a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing: text that starts
+free and then quotes its prompt gets back to drafting within a few dozen tokens).
 Ring caches (sliding-window layers) cannot be rewound: speculation is off for them (`speculation_off`).
 """
 
@@ -89,7 +90,7 @@ def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingPara
 class Adaptive:
     """How many tokens to draft next (0: a plain step), from the accept rate and the measured costs."""
 
-    def __init__(self, k_max: int, timed: bool = True, pause: int = 16, max_pause: int = 256) -> None:
+    def __init__(self, k_max: int, timed: bool = True, pause: int = 8, max_pause: int = 32) -> None:
         """`timed` False: costs from the fixed model only, so k (and with sampling, the random draws each k
         consumes) depends on the tokens alone: a seed reproduces the text."""
         self.k_max, self.timed, self.base_pause, self.max_pause = k_max, timed, pause, max_pause

@@ -96,7 +96,7 @@ def test_sampling_speculation_is_reproducible(llama: Path) -> None:
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
-    d = PromptLookup()
+    d = PromptLookup(min_ngram=1)
     d.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
     assert d.propose(4) == []          # "8" never occurred before
     d.extend([2, 3])                   # suffix 8 2 3: no 3-gram match, "2 3" latest at ... 2 3 -> 7 8 2 3
@@ -105,6 +105,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert d.propose(3) == [5, 9, 2]
     d.reset([6, 6])
     assert d.propose(5) == [6]         # continuation runs up to the end of the context
+    two = PromptLookup()               # the default: matches of 2 or 3 tokens only
+    two.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2])
+    assert two.propose(4) == [] and (two.extend([3]) or two.propose(2)) == [7, 8]
 
 
 def test_accept_greedy() -> None:
