@@ -38,6 +38,7 @@ from time import perf_counter
 import numpy as np
 
 from .chat import ChatTemplate
+from .drafting import PromptLookup
 from .engine import Engine
 from .errors import EdgeError, need
 from .fileio import safe_join
@@ -45,18 +46,12 @@ from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
-from .speculative import DRAFT_TOKENS, MODES, Stats, speculation_off, speculative_tokens
+from .speculative import DRAFT_TOKENS, Stats, configure, speculation_off, speculative_tokens
 from .stats import Timings, make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 FINISH_REASONS = ("eos", "stop", "length", "max_new_tokens")
-
-
-def _lookup():
-    from .drafting import PromptLookup
-
-    return PromptLookup()
 
 
 class TokenEvent:
@@ -148,20 +143,9 @@ class Generator:
 
     def speculate(self, speculative: str = "lookup", draft: str | Path | None = None,
                   draft_tokens: int = DRAFT_TOKENS, config: SessionConfig | None = None) -> None:
-        """Turn speculative decoding on (runtime/speculative.py) or off: "lookup" drafts from the context
-        (prompt lookup), "draft" runs the export `draft` (same tokenizer) as the drafter; up to `draft_tokens`
-        drafts per verification. Speculation stays off on ring caches (the reason is `speculation_off`)."""
-        need(speculative in MODES, f"--speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
-        need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
-             f"--draft-tokens: expected an integer in 1..32, got {draft_tokens!r}")
-        need((speculative == "draft") == (draft is not None), "--draft DIR: needed by --speculative draft, and only there")
-        self.speculative, self.draft_tokens = speculative, draft_tokens
-        if speculative == "draft":
-            from .drafting import DraftModel
-
-            tok = self.manifest.tokenizer
-            target = {"sha256": self.manifest.files[tok["file"]].sha256} if tok is not None else None
-            self._draft = DraftModel(Path(draft), self.manifest.vocab_size, config or self.engine.config, target)
+        """Speculative decoding on ("lookup": prompt lookup; "draft": the export `draft`, same tokenizer, as the
+        drafter; up to `draft_tokens` drafts per verification) or "off" (runtime/speculative.py `configure`)."""
+        configure(self, speculative, draft, draft_tokens, config)
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -309,7 +293,7 @@ class Generator:
             if self.speculative != "off" and speculation_off(self.cache) is None and not (
                     sampling.temperature == 0 and penalise):
                 spec = Stats(self.speculative)
-                drafter = self._draft if self.speculative == "draft" else _lookup()
+                drafter = self._draft if self.speculative == "draft" else PromptLookup()
                 greedy = sampling.temperature == 0
                 source = speculative_tokens(self, drafter, self.draft_tokens, pick, logits,
                                             None if greedy else sampling, rng, stop.max_new_tokens, spec)

@@ -143,6 +143,26 @@ class Stats:
                 "verifications": self.verifications}
 
 
+def configure(gen, speculative: str, draft, draft_tokens: int, config) -> None:
+    """`Generator.speculate`: check the flags, open the draft export (its vocabulary and tokenizer file must be
+    the target's) and set the generator's mode."""
+    from pathlib import Path
+
+    from .errors import need
+
+    need(speculative in MODES, f"--speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
+    need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
+         f"--draft-tokens: expected an integer in 1..32, got {draft_tokens!r}")
+    need((speculative == "draft") == (draft is not None), "--draft DIR: needed by --speculative draft, and only there")
+    gen.speculative, gen.draft_tokens = speculative, draft_tokens
+    if speculative == "draft":
+        from .drafting import DraftModel
+
+        tok = gen.manifest.tokenizer
+        target = {"sha256": gen.manifest.files[tok["file"]].sha256} if tok is not None else None
+        gen._draft = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
+
+
 def speculation_off(cache) -> str | None:
     """Why speculation cannot run on this cache, or None."""
     return "sliding-window (ring) caches cannot be rewound" if any(cache.ring) else None
