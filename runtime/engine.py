@@ -19,6 +19,9 @@ would be thrown away but for one row. `forward_rows` (teacher forcing, perplexit
 verification) wants every row's logits instead: its prefill chunks go through the S = prefill_chunk head,
 opened on its first call.
 
+`few_rows` (speculative decoding's verification: the last token + k drafts) runs the paired stack and head
+(format 9) at S = n itself, bound to the decode sessions: no padding, the head on exactly those rows.
+
 A `hook` (forward_rows) sees every graph's bound buffers right after that graph ran (`GraphRun`): the diff
 reads the hidden state after each layer from it; the K/V rows are in the cache once the call returns.
 """
