@@ -5,6 +5,7 @@ sampling distribution (a statistical test on fixed distributions and seeds); sam
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,24 @@ def test_rejection_sampling_keeps_the_distribution(params: SamplingParams, draft
     assert np.all(freq[p == 0] == 0)
     # and the drafts do get accepted (the point: fewer target steps), a rejection never returns the draft
     assert 0.5 * np.abs(freq - p).sum() < 0.02
+
+
+def test_cli_flags(llama: Path, capsys) -> None:
+    from edgellm.cli import main
+
+    ids = ",".join(map(str, PROMPT))
+    base = ["run", str(llama), "--prompt-ids", ids, "--max-new-tokens", "12", "--temperature", "0", "--json"]
+    docs = {}
+    for mode in ("off", "lookup"):
+        assert main(base + ["--speculative", mode, "--draft-tokens", "4"]) == 0
+        docs[mode] = json.loads(capsys.readouterr().out)
+    assert docs["off"]["token_ids"] == docs["lookup"]["token_ids"] and "speculative" not in docs["off"]["stats"]
+    assert docs["lookup"]["stats"]["speculative"]["mode"] == "lookup"
+    assert main(base + ["--speculative", "draft", "--draft", str(llama)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == docs["off"]["token_ids"]
+    for extra, message in ((["--speculative", "draft"], "--speculative draft: needs --draft DIR"),
+                           (["--draft", str(llama)], "--draft: needs --speculative draft"),
+                           (["--draft-tokens", "x"], "--draft-tokens: expected an integer, got 'x'"),
+                           (["--draft-tokens", "0"], "--draft-tokens: expected an integer in 1..32")):
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
