@@ -148,7 +148,9 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
             ("stack.prefill", "stack.onnx", None, True, False), ("stack.decode", "stack.onnx", None, True, False)]
         layers = [g for g in m.graphs if g.role == "layer"]
         assert all(g.paired and g.file == f"layer_{g.layer}.onnx" and not g.selector for g in layers)
-        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
+        # the head too (format 9: one session runs a speculative verification's k + 1 rows); the embedding not
+        assert all(g.paired and g.file == "head.onnx" for g in m.graphs if g.role == "head")
+        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack", "head"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
     expected = {f"layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS} | {"embed.weight", "lm_head.weight"}
