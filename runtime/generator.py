@@ -20,6 +20,11 @@ than the context is an error unless `truncate=True`, which keeps the last
 context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messages)` renders a conversation
 with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
+Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculative.py) changes how the tokens
+are computed, not which: greedy picks plain decoding's tokens (up to float rounding), sampling keeps the
+distribution, and `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run`
+turns lookup on).
+
 Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
 `ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are
 in `token_ids`), after `max_new_tokens`, or when the static context is full ("length": the last token picked
