@@ -169,6 +169,9 @@ def test_cli_flags(llama: Path, capsys) -> None:
     assert docs["lookup"]["stats"]["speculative"]["mode"] == "lookup"
     assert main(base + ["--speculative", "draft", "--draft", str(llama)]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == docs["off"]["token_ids"]
+    assert main(["bench", str(llama), "--speculative", "lookup", "--runs", "1", "--new-tokens", "4", "--contexts", "8",
+                 "--max-other-load", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["context"] == 8
     for extra, message in ((["--speculative", "draft"], "--speculative draft: needs --draft DIR"),
                            (["--draft", str(llama)], "--draft: needs --speculative draft"),
                            (["--draft-tokens", "x"], "--draft-tokens: expected an integer, got 'x'"),
