@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
-from edgellm.layout.stacking import STACK_FILE, check_stack, write_stack
+from edgellm.layout.stacking import STACK_FILE, check_stack, pair_head, write_stack
 from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
@@ -174,6 +174,7 @@ def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
     specs = write_stack(partial, manifest, variants)
     manifest = replace(manifest, graphs=manifest.graphs + tuple(specs),
                        files=manifest.files | describe_files(partial, [STACK_FILE]))
+    manifest = pair_head(partial, manifest)  # one head session for S = 1 and a verification's k + 1 rows
     tokens = np.random.default_rng(seed).integers(0, manifest.vocab_size, manifest.prefill_chunk + 4).tolist()
     diff = check_stack(partial, manifest, tokens)
     return replace(manifest, verification={**manifest.verification, "stack_vs_layers": diff})
@@ -195,7 +196,7 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], manifest: Manifes
     lines = [f"{'graph':<12} {'MB':>9}  max |onnx - torch| per variant"]
     for unit in units:
         rec = records[unit.stem]
-        own = sum(files[rel].bytes for rel in rec.files if rel.startswith(f"{unit.stem}."))
+        own = sum(f.bytes for rel, f in files.items() if rel.startswith(f"{unit.stem}."))  # head.onnx: paired
         diffs = "  ".join(f"{name.split('.')[-1]} {d:.2e}" for name, d in rec.verification.items())
         lines.append(f"{unit.stem:<12} {own / 1e6:>9.2f}  {diffs}")
     total = sum(f.bytes for f in files.values())

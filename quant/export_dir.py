@@ -210,7 +210,9 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                 if paired and specs[0].role in ("embed", "layer"):
                     for g, model in done:
                         stackable.setdefault(g.seq, []).append(model)
-                if paired and specs[0].role == "layer" and len(done) == 2:
+                # the head too (format 9: one session for S = 1 and verification rows), unless the fp32
+                # export's head is paired already (then both entries name one file, rewritten alike)
+                if paired and specs[0].role in ("layer", "head") and len(done) == 2 and not specs[0].paired:
                     (p, pm), (d, dm) = sorted(done, key=lambda x: -x[0].seq)
                     (tmp / f"{stem}.onnx").write_bytes(pair_layer(pm, dm).SerializeToString())
                     done = [(dataclasses.replace(g, file=f"{stem}.onnx", paired=True), None) for g in (p, d)]

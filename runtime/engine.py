@@ -19,6 +19,9 @@ would be thrown away but for one row. `forward_rows` (teacher forcing, perplexit
 verification) wants every row's logits instead: its prefill chunks go through the S = prefill_chunk head,
 opened on its first call.
 
+`few_rows` (speculative decoding's verification: the last token + k drafts) runs the paired stack and head
+(format 9) at S = n itself, bound to the decode sessions: no padding, the head on exactly those rows.
+
 A `hook` (forward_rows) sees every graph's bound buffers right after that graph ran (`GraphRun`): the diff
 reads the hidden state after each layer from it; the K/V rows are in the cache once the call returns.
 """
@@ -127,6 +130,7 @@ class Engine:
         self.chunk = manifest.prefill_chunk
         self._paired: dict[str, InferenceSession] = {}  # paired graph file -> its one session
         self._rows_head: _Variant | None = None  # the S = prefill_chunk head (forward_rows), opened on first use
+        self._few: dict[int, _Variant] = {}  # S = n variants of the paired stack + head (few_rows), built on first use
         # decode graphs first: if the prefill graphs fail to load, nothing of them stays half-built
         self.decode = self._build(1)
         self.prefill = self._build(self.chunk) if self.chunk > 1 else self.decode
@@ -182,9 +186,10 @@ class Engine:
         return v
 
     def _bind(self, v: _Variant, role: str, seq: int, layer: int | None, inputs: dict[str, np.ndarray],
-              outputs: dict[str, np.ndarray]) -> None:
-        """Open (or share) the graph's session, bind its buffers and append it to the variant."""
-        session, spec = self._session(role, seq, layer)
+              outputs: dict[str, np.ndarray], spec_seq: int | None = None) -> None:
+        """Open (or share) the graph's session, bind its buffers and append it to the variant. `spec_seq`: the
+        manifest variant whose (paired, S-symbolic) session runs this S (few_rows)."""
+        session, spec = self._session(role, spec_seq or seq, layer)
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.specs.append(spec)
 
@@ -209,7 +214,7 @@ class Engine:
             self._bind(v, "layer", seq, i, inputs, outputs)
         v.hidden_out = hidden[m.n_layers % 2]
 
-    def _bind_stack(self, v: _Variant) -> None:
+    def _bind_stack(self, v: _Variant, spec_seq: int | None = None) -> None:
         """The stack graph: embedding and every layer in one session, writing every cache in place."""
         m, seq = self.manifest, v.seq
         v.hidden_out = np.zeros((1, seq, m.dim), np.float32)
@@ -219,7 +224,7 @@ class Engine:
         for i in range(m.n_layers):
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
-        self._bind(v, "stack", seq, None, inputs, outputs)
+        self._bind(v, "stack", seq, None, inputs, outputs, spec_seq)
 
     def _embed_positions(self, v: _Variant) -> dict[str, np.ndarray]:
         """The embedding's `positions` input, for models with an absolute position table (format 8)."""
@@ -258,6 +263,33 @@ class Engine:
             self._run_chunk(variant, tokens[start:start + count], count, hook)
             rows[start:start + count] = self._all_logits(variant, count, hook)
         return rows
+
+    @property
+    def any_rows(self) -> bool:
+        """Whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S
+        symbolic; manifest format 9), so no row is padding and the head runs on exactly those n rows."""
+        return self.stacked and all(self.manifest.graph(r, 1).paired and not self.manifest.graph(r, 1).selector
+                                    for r in ("stack", "head"))
+
+    def few_rows(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`forward_rows` for a few tokens (a speculative verification: the last token + k drafts): logits
+        [n, V] (a view of a buffer the next call overwrites). With `any_rows`, one call of the stack and the
+        head at S = n, sharing the decode sessions; otherwise `forward_rows` (prefill chunk padded)."""
+        n = len(tokens)
+        if n == 1 or not self.any_rows:
+            return self.forward_rows(tokens)
+        if not n <= self.cache.free:
+            raise EdgeError(f"few_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
+        v = self._few.get(n)
+        if v is None:
+            v = self._few[n] = _Variant(n)
+            self._bind_stack(v, spec_seq=1)
+            v.body, v.release = list(v.graphs), [()]
+            v.logits = np.zeros((1, n, self.manifest.vocab_size), np.float32)
+            self._bind(v, "head", n, None, {"hidden": v.hidden_out}, {"logits": v.logits}, spec_seq=1)
+        self._run_chunk(v, tokens, n)
+        v.graphs[-1].run()
+        return v.logits[0]
 
     def _all_logits(self, v: _Variant, count: int, hook: Hook | None) -> np.ndarray:
         """Logits [count, V] of the chunk `v` just ran (a view)."""

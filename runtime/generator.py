@@ -20,6 +20,11 @@ than the context is an error unless `truncate=True`, which keeps the last
 context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messages)` renders a conversation
 with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
+Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculative.py) changes how the tokens
+are computed, not which: greedy picks plain decoding's tokens (up to float rounding), sampling keeps the
+distribution, and `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run`
+turns lookup on).
+
 Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
 `ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are
 in `token_ids`), after `max_new_tokens`, or when the static context is full ("length": the last token picked
@@ -38,6 +43,7 @@ from time import perf_counter
 import numpy as np
 
 from .chat import ChatTemplate
+from .drafting import PromptLookup
 from .engine import Engine
 from .errors import EdgeError, need
 from .fileio import safe_join
@@ -45,6 +51,7 @@ from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
+from .speculative import DRAFT_TOKENS, Stats, configure, speculation_off, speculative_tokens
 from .stats import Timings, make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -77,10 +84,12 @@ class Result:
     prompt_ids: list[int]         # what was fed this call (after BOS / truncation / a carried-over token)
     timings: Timings
     peak_rss_mb: float
+    speculative: dict | None = None  # Stats.to_dict(): mode, drafted, accepted, verifications (None: off)
 
     def to_dict(self) -> dict:
+        spec = {"speculative": self.speculative} if self.speculative is not None else {}
         return {"text": self.text, "token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
-                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1)}}
+                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1), **spec}}
 
 
 def _greedy(logits: np.ndarray) -> int:
@@ -112,6 +121,7 @@ class Generator:
         # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
         self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
+        self.speculative, self.draft_tokens, self._draft = "off", DRAFT_TOKENS, None  # see speculate()
 
     @classmethod
     def open(cls, directory: str | Path, threads: int | None = None, *, config: SessionConfig | None = None,
@@ -135,6 +145,12 @@ class Generator:
                                               tokenizer.token_text(manifest.bos_id),
                                               tokenizer.token_text(manifest.eos_id))
         return cls(directory, manifest, tokenizer, config, template)
+
+    def speculate(self, speculative: str = "lookup", draft: str | Path | None = None,
+                  draft_tokens: int = DRAFT_TOKENS, config: SessionConfig | None = None) -> None:
+        """Speculative decoding on ("lookup": prompt lookup; "draft": the export `draft`, same tokenizer, as the
+        drafter; up to `draft_tokens` drafts per verification) or "off" (runtime/speculative.py `configure`)."""
+        configure(self, speculative, draft, draft_tokens, config)
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -266,14 +282,27 @@ class Generator:
         reason = "max_new_tokens"
         first = last = start
         run_at_first = 0.0
+        spec = None
         if stop.max_new_tokens == 0:
             self._carry = feed  # nothing generated: the prompt waits for the next call
         else:
             logits = self.engine.forward(feed)
             self._history[self.cache.length - len(feed):self.cache.length] = feed
-            while True:
-                token = _greedy(logits) if plain_greedy else sample(
+
+            def pick(logits: np.ndarray) -> int:
+                return _greedy(logits) if plain_greedy else sample(
                     logits, sampling, rng, self._history[:self.cache.length] if penalise else ())
+
+            source = self._plain_tokens(pick, logits)
+            # greedy with a repetition penalty: plain (its per-row history is not worth the code)
+            if self.speculative != "off" and speculation_off(self.cache) is None and not (
+                    sampling.temperature == 0 and penalise):
+                spec = Stats(self.speculative)
+                drafter = self._draft if self.speculative == "draft" else PromptLookup()
+                greedy = sampling.temperature == 0
+                source = speculative_tokens(self, drafter, self.draft_tokens, pick, logits,
+                                            None if greedy else sampling, rng, stop.max_new_tokens, spec)
+            for token in source:
                 last = perf_counter()
                 if not new:
                     first, run_at_first = last, self.clock.seconds
@@ -297,9 +326,7 @@ class Generator:
                 yield TokenEvent(token, delta)
                 if reason:
                     break
-                logits = self.engine.forward((token,))
-                self._carry = []
-                self._history[self.cache.length - 1] = token
+            source.close()  # a speculative source rewinds the cache to the last token's rows
         tail = matcher.feed(decoder.flush()) + matcher.flush() if decoder is not None else ""
         if tail:
             text.append(tail)
@@ -307,7 +334,16 @@ class Generator:
         picked = len(new) + (reason == "eos")
         timings = make_timings(len(feed), len(new), max(picked - 1, 0), first - start, last - first,
                                self.clock.seconds - run_at_first)
-        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb())
+        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb(), spec.to_dict() if spec else None)
+
+    def _plain_tokens(self, pick, logits: np.ndarray) -> Iterator[int]:
+        """One token per forward: picked, yielded (not fed yet), then fed when the caller asks for the next."""
+        while True:
+            token = pick(logits)
+            yield token
+            logits = self.engine.forward((token,))
+            self._carry = []
+            self._history[self.cache.length - 1] = token
 
     def complete(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                  stop: StopParams | None = None, *, truncate: bool = False, ignore_eos: bool = False,

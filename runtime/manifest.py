@@ -2,18 +2,21 @@
 
 Format "edgellm-export", versions (bump on any change to graph I/O names, cache layout or file layout;
 readers accept exactly the versions in READS; older ones get a one-line "re-export with this version"):
-  7  embed/layer/head graphs (or one model graph) at S = prefill_chunk and S = 1 sharing one data file,
+  8  embed/layer/head graphs (or one model graph) at S = prefill_chunk and S = 1 sharing one data file,
      `kv_layout` rows | inplace, `paired` graphs (one graph, S symbolic: edgellm/layout/pairing.py), the
-     optional "stack", `eos_ids`, `tokenizer` {file, kind hf | llama2c, chat_template, add_bos} and
-     `kv_head_dim` (docs/design.md, "Export directory"). Every file listed with sha256 and byte size.
-  8  models with absolute position embeddings (GPT-2 / seed 004: `config.pos_embedding` "learned" or "sinusoidal";
-     graphio.Dims.embed_positions): the embed, stack and model graphs take `positions` [1, S] int64 (absolute
-     positions of the S rows, padding clamped to max_seq - 1) and gather their position table's rows; their layer
-     graphs rotate nothing. Also adds `kv_cache_rows` (a list with each layer's cache rows, or null: max_seq for
-     every layer): a sliding-window layer (Gemma 3, config layer_types/sliding_window) keeps min(window, max_seq)
-     rows as a ring ("rows" layout; "inplace": window + prefill_chunk - 1, export/fused_ring.py), position p in
-     row p % rows (runtime/kvcache.py); its past_key.i / past_value.i are [1, n_kv, rows, hd]. It must equal what
-     the config implies (graphio.cache_rows). A version-7 manifest reads as null and has no position tables.
+     optional "stack", `eos_ids`, `tokenizer` {file, kind hf | llama2c, chat_template, add_bos}, `kv_head_dim`
+     (docs/design.md, "Export directory"); models with absolute position embeddings (GPT-2 / seed 004:
+     `config.pos_embedding` "learned" or "sinusoidal"; graphio.Dims.embed_positions): the embed, stack and model
+     graphs take `positions` [1, S] int64 (absolute positions of the S rows, padding clamped to max_seq - 1) and
+     gather their position table's rows, their layer graphs rotate nothing; `kv_cache_rows` (a list with each
+     layer's cache rows, or null: max_seq for every layer): a sliding-window layer (Gemma 3, config
+     layer_types/sliding_window) keeps min(window, max_seq) rows as a ring ("rows" layout; "inplace": window +
+     prefill_chunk - 1, export/fused_ring.py), position p in row p % rows (runtime/kvcache.py); its past_key.i /
+     past_value.i are [1, n_kv, rows, hd]. It must equal what the config implies (graphio.cache_rows). Every
+     file listed with sha256 and byte size.
+  9  the head may be paired (`head.onnx`, both variants, S symbolic; export writes it with the stack): one
+     session serves S = 1 and any other row count, e.g. the k + 1 rows of a speculative verification
+     (runtime/speculative.py). Version 8 has unpaired heads only.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -37,8 +40,8 @@ from .sampling import SamplingParams
 from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 8
-READS = (7, 8)  # the versions this reader accepts (1-6: older edgellm releases, re-export)
+FORMAT_VERSION = 9
+READS = (8, 9)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
@@ -181,8 +184,8 @@ class Manifest:
                 need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
             check_io(g.role, g.seq, g.layer, (g.inputs, g.outputs), dims, where)
             if g.paired:  # the other variant of this layer names the same files
-                need(g.role in ("layer", "stack") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
-                     f"{where}.paired: only layer or stack graphs of an 'inplace' export with prefill_chunk > 1")
+                need(g.role in ("layer", "stack", "head") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
+                     f"{where}.paired: only layer, stack or head graphs of an 'inplace' export with prefill_chunk > 1")
                 other = layers.get((g.layer, self.prefill_chunk if g.seq == 1 else 1))
                 need(g.role != "layer" or other is None or
                      (other.paired and (other.file, other.data) == (g.file, g.data)),
@@ -190,6 +193,9 @@ class Manifest:
         stacks = [g for g in self.graphs if g.role == "stack"]
         need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
              "graphs: the stack's two variants must be paired in one file")
+        heads = [g for g in self.graphs if g.role == "head"]
+        need(not any(g.paired for g in heads) or (len({g.file for g in heads}) == 1 and all(g.paired for g in heads)),
+             "graphs: a paired head's two variants must both be paired, in one file")
         # every key seen is valid and unique, so comparing counts finds a missing graph
         optional = [r for r in OPTIONAL_ROLES if not any(g.role == r for g in self.graphs)]
         want = [(r, i, s) for r in roles if r not in optional
@@ -312,11 +318,9 @@ def _parse(doc: object) -> Manifest:
                                 f"{'-'.join(map(str, READS))}; update edgellm)")
     need(version in READS, f"format {version} was written by an older edgellm; re-export with this version "
                            f"(reads {'-'.join(map(str, READS))})")
-    if version == 7 and isinstance(doc.get("config"), dict):
-        need(doc["config"].get("pos_embedding", "rope") == "rope",
-             "config.pos_embedding: absolute position tables need format_version 8, this manifest says 7")
-    if version == 7:  # every layer's cache has max_seq rows
-        doc = {**doc, "kv_cache_rows": None}
+    if version == 8 and isinstance(doc.get("graphs"), list):
+        need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
+             "graphs: a paired head needs format_version 9, this manifest says 8")
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")

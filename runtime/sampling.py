@@ -261,8 +261,14 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     x = apply_repetition_penalty(x, previous_ids, params.repetition_penalty)
     if params.temperature == 0:
         return greedy(x)
-    x = apply_temperature(x, params.temperature)
+    return _draw(filtered(x, params), rng)
+
+
+def filtered(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The logits `sample` draws from (temperature > 0, after the repetition penalty): temperature -> top-k ->
+    top-p -> min-p, dropped tokens -inf. softmax() of it is the sampling distribution (speculative sampling
+    accepts against exactly this one)."""
+    x = apply_temperature(logits, params.temperature)
     x = apply_top_k(x, params.top_k)
     x = apply_top_p(x, params.top_p)
-    x = apply_min_p(x, params.min_p)
-    return _draw(x, rng)
+    return apply_min_p(x, params.min_p)

@@ -37,7 +37,8 @@ def test_json_schema(export, capsys):
     assert list(doc) == ["schema", "version", "text", "token_ids", "finish_reason", "prompt_ids", "stats"]
     assert (doc["schema"], doc["version"], doc["text"], doc["finish_reason"]) == ("edgellm-run", 2, CHAIN, "eos")
     assert doc["prompt_ids"] == Generator.open(export).encode("a") and doc["prompt_ids"][0] == 1  # BOS, then "a"
-    assert len(doc["token_ids"]) == 6 and set(doc["stats"]) == STATS_KEYS
+    assert len(doc["token_ids"]) == 6 and set(doc["stats"]) == STATS_KEYS | {"speculative"}  # lookup by default
+    assert set(doc["stats"]["speculative"]) == {"mode", "drafted", "accepted", "verifications"}
     assert doc["stats"]["prompt_tokens"] == 2
 
 

@@ -78,15 +78,19 @@ def test_graph_files_match_the_manifest(cli_export):
     root, model = cli_export
     out = root / "out"
     m = read_manifest(out)
-    stems = ["embed", "layer_0", "layer_1", "head"]
+    stems = ["embed", "layer_0", "layer_1"]
+    # the head's two variants are one graph (format 9, S symbolic: speculative decoding's k + 1 rows run it too)
     assert sorted(g.file for g in m.graphs) == sorted([f"{s}.{v}.onnx" for s in stems for v in ("prefill", "decode")]
-                                                      + ["stack.onnx"] * 2)
+                                                      + ["stack.onnx"] * 2 + ["head.onnx"] * 2)
+    head = load_graph(out / "head.onnx")
+    assert [d.dim_param or d.dim_value for d in head.graph.output[0].type.tensor_type.shape.dim] == \
+        [1, "S", m.vocab_size] and {loc for loc, _, _ in externals(head).values()} == {m.graph("head", 1).data}
     # the stack (the runtime's path: embedding + every layer in one graph, S symbolic) reads the units' data
     stack = load_graph(out / "stack.onnx")
     assert {loc for loc, _, _ in externals(stack).values()} == {g.data for g in m.graphs if g.role in ("embed", "layer")}
     assert [v.name for v in stack.graph.input] == [t.name for t in m.graph("stack", 1).inputs]
     types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
-    for g in (g for g in m.graphs if g.role != "stack"):
+    for g in (g for g in m.graphs if g.role not in ("stack", "head")):
         proto = load_graph(out / g.file)
         assert proto.ir_version == 10 and {o.domain: o.version for o in proto.opset_import}[""] == 20
         for got, want in ((proto.graph.input, g.inputs), (proto.graph.output, g.outputs)):
@@ -107,8 +111,8 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
     root, model = cli_export
     out = root / "out"
     V, D = model.cfg.vocab_size, model.cfg.dim
-    for stem in ("layer_0", "head"):
-        proto = load_graph(out / f"{stem}.decode.onnx")
+    for stem, file in (("layer_0", "layer_0.decode.onnx"), ("head", "head.onnx")):  # head.onnx: paired
+        proto = load_graph(out / file)
         inits = {t.name: t for t in proto.graph.initializer}
         b_inputs = [n.input[1] for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
         assert all(len(inits[b].dims) == 2 for b in b_inputs)
@@ -121,7 +125,7 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
         else:
             assert b_inputs == ["embed.weight"] and list(inits["embed.weight"].dims) == [D, V]
     # tied: the embedding graph gathers from the head's table in head.data; no second copy anywhere
-    where = externals(load_graph(out / "head.decode.onnx"))["embed.weight"]
+    where = externals(load_graph(out / "head.onnx"))["embed.weight"]
     assert externals(load_graph(out / "embed.decode.onnx"))["embed.weight"] == where
     assert not (out / "embed.data").exists() and (out / "head.data").stat().st_size < 2 * V * D * 4
     table = np.fromfile(out / "head.data", np.float32, V * D, offset=where[1]).reshape(D, V)

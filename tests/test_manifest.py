@@ -71,7 +71,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 8
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 9
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
@@ -115,7 +115,7 @@ def test_paired_graphs(tmp_path: Path) -> None:
     rejects(tmp_path / "one", r"graphs\[3\] \(layer_0\.decode\)\.paired: the other variant of layer 0 must be paired")
     make_export(tmp_path / "rows")
     edit(tmp_path / "rows", pair_layer_0)
-    rejects(tmp_path / "rows", r"\.paired: only layer or stack graphs of an 'inplace' export")
+    rejects(tmp_path / "rows", r"\.paired: only layer, stack or head graphs of an 'inplace' export")
 
 
 def add_stack(doc: dict, variants: tuple[int, ...] = (4, 1), file: str = "stack.onnx") -> None:
@@ -164,8 +164,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=9, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 9 is not supported \(this edgellm reads 7-8; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=10, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 10 is not supported \(this edgellm reads 8-9; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

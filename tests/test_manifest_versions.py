@@ -1,5 +1,5 @@
-"""Manifest versions: formats 1-6 refused with one line, format 7 read (no kv_cache_rows), and the fields
-formats 7-8 carry (add_bos, kv_head_dim, kv_cache_rows): how each is checked."""
+"""Manifest versions: formats 1-7 refused with one line, format 8 read (no paired head), and the fields
+formats 8-9 carry (add_bos, kv_head_dim, kv_cache_rows): how each is checked."""
 
 from __future__ import annotations
 
@@ -15,23 +15,23 @@ from edgellm.runtime.manifest import MANIFEST, read_manifest
 from tests.test_manifest import CONFIG, edit, make_export, rejects
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
 def test_older_formats_get_one_re_export_line(tmp_path: Path, version: int) -> None:
-    """Formats 1-6 (older edgellm releases) are refused by version before any key is read: one line naming the
+    """Formats 1-7 (older edgellm releases) are refused by version before any key is read: one line naming the
     file, the version and what to do."""
     make_export(tmp_path)
     edit(tmp_path, lambda d: (d.update(format_version=version), d.pop("kv_head_dim"), d.pop("eos_ids")))
     rejects(tmp_path, rf"^{re.escape(str(tmp_path / MANIFEST))}: format {version} was written by an older "
-                      r"edgellm; re-export with this version \(reads 7-8\)$")
+                      r"edgellm; re-export with this version \(reads 8-9\)$")
 
 
 def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=6))
+    edit(tmp_path, lambda d: d.update(format_version=7))
     assert main(["run", str(tmp_path), "--prompt-ids", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"edgellm run: error: {tmp_path / MANIFEST}: format 6 was written by an older edgellm; "
-                   "re-export with this version (reads 7-8)\n")
+    assert err == (f"edgellm run: error: {tmp_path / MANIFEST}: format 7 was written by an older edgellm; "
+                   "re-export with this version (reads 8-9)\n")
 
 
 def test_add_bos_round_trips(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_kv_head_dim_sizes_the_cache(tmp_path: Path) -> None:
 
 def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
     """Format 8's kv_cache_rows: a sliding-window layer's cache is a ring of min(window, max_seq) rows ("rows"), its graph
-    I/O that size; the list must be what the config implies; a format-7 manifest reads as null (max_seq rows)."""
+    I/O that size; the list must be what the config implies."""
     sliding = {**CONFIG, "layer_types": ["sliding", "full"], "sliding_window": 6}
     written = make_export(tmp_path / "ring", config=sliding)
     got = read_manifest(tmp_path / "ring")
@@ -75,6 +75,12 @@ def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
     # fused layers write a chunk before reading the ring: window + prefill_chunk - 1 rows
     edit(tmp_path / "ring", lambda d: d.update(kv_cache_rows=[6, 16], kv_layout="inplace"))
     rejects(tmp_path / "ring", r"kv_cache_rows: expected \[9, 16\]")
-    make_export(tmp_path / "v7")
-    edit(tmp_path / "v7", lambda d: (d.update(format_version=7), d.pop("kv_cache_rows")))
-    assert read_manifest(tmp_path / "v7").kv_cache_rows is None
+
+
+def test_format_8_reads_without_a_paired_head(tmp_path: Path) -> None:
+    """Format 8 (the previous one) reads as it was written; a paired head (head.onnx) came with format 9."""
+    written = make_export(tmp_path)
+    edit(tmp_path, lambda d: d.update(format_version=8))
+    assert read_manifest(tmp_path) == written
+    edit(tmp_path, lambda d: [g.update(paired=True) for g in d["graphs"] if g["role"] == "head"])
+    rejects(tmp_path, "graphs: a paired head needs format_version 9, this manifest says 8")

@@ -27,7 +27,7 @@ def tied(tmp_path_factory) -> Path:
 
 def head_table(out: Path) -> np.ndarray:
     """The lm_head's MatMulNBits table, dequantized: [V, D]."""
-    head = onnx.load(out / "head.decode.onnx", load_external_data=True)
+    head = onnx.load(out / read_manifest(out).graph("head", 1).file, load_external_data=True)  # paired: head.onnx
     inits = {t.name: numpy_helper.to_array(t) for t in head.graph.initializer}
     node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

@@ -148,7 +148,9 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
             ("stack.prefill", "stack.onnx", None, True), ("stack.decode", "stack.onnx", None, True)]
         layers = [g for g in m.graphs if g.role == "layer"]
         assert all(g.paired and g.file == f"layer_{g.layer}.onnx" for g in layers)
-        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack"))
+        # the head too (format 9: one session runs a speculative verification's k + 1 rows); the embedding not
+        assert all(g.paired and g.file == "head.onnx" for g in m.graphs if g.role == "head")
+        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack", "head"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
     expected = {f"layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS} | {"embed.weight", "lm_head.weight"}
@@ -206,7 +208,7 @@ def test_mixed_precision_flags_reach_the_graphs(tied, tmp_path) -> None:
     assert "MatMulNBits" not in ops(out / "layer_0.decode.onnx")
     assert ops(out / "layer_0.decode.onnx")["MatMul"] == [onnx.TensorProto.FLOAT] * 4
     assert ops(out / "layer_1.decode.onnx")["MatMulNBits"] == [8] * 4
-    assert ops(out / "head.decode.onnx")["MatMulNBits"] == [4]
+    assert ops(out / read_manifest(out).graph("head", 1).file)["MatMulNBits"] == [4]
     assert ops(out / "embed.decode.onnx")["Gather"] == [onnx.TensorProto.FLOAT]
     m = read_manifest(out)
     assert m.graph("embed", 1).data == "embed.data"     # the fp32 table left head.data with the int4 lm_head
@@ -218,7 +220,7 @@ def test_mixed_precision_flags_reach_the_graphs(tied, tmp_path) -> None:
     # --bits 4's default lm_head is int4 (group 32); the tied lookup reads the lm_head's int4 table itself
     # (quant/tied.py): one copy, in head.data
     out = quantize(src, tmp_path / "shared4", bits=4)
-    assert ops(out / "head.decode.onnx")["MatMulNBits"] == [4]
+    assert ops(out / read_manifest(out).graph("head", 1).file)["MatMulNBits"] == [4]
     head = read_manifest(out).quantization["weights"]["lm_head.weight"]
     assert (head["bits"], head["block_size"]) == (4, 32)
     assert read_manifest(out).quantization["options"]["lm_head"] == "int4"
@@ -253,11 +255,12 @@ def test_awq_migration_leaves_the_float_graphs_unchanged(tied, untied) -> None:
     """AWQ's scale migrations (random scales here) must not change any output of an fp32 graph, K/V rows
     included; the groups are the ones awq.py's docstring lists."""
     rng = np.random.default_rng(0)
-    for src, file in ((tied[1], "layer_1.prefill.onnx"), (tied[1], "head.prefill.onnx"), (untied[1], "model.prefill.onnx")):
+    for src, file in ((tied[1], "layer_1.prefill.onnx"), (tied[1], "head.onnx"), (untied[1], "model.prefill.onnx")):
         model = onnx.load(src / file)
         migrated, groups = migrate_randomly(model, rng)
         inputs = _session(model).get_inputs()
-        feeds = {i.name: (rng.integers(0, 256, i.shape) if "int" in i.type else rng.standard_normal(i.shape))
+        shapes = {i.name: [d if isinstance(d, int) else 4 for d in i.shape] for i in inputs}  # head.onnx: S = 4
+        feeds = {i.name: (rng.integers(0, 256, shapes[i.name]) if "int" in i.type else rng.standard_normal(shapes[i.name]))
                  .astype(np.int64 if "int" in i.type else np.float32) for i in inputs}
         if "past_len" in feeds or "total_len" in feeds:  # a layer or model graph: 5 filled cache rows
             layout = "rows" if "past_len" in feeds else "inplace"

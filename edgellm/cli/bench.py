@@ -16,7 +16,14 @@ import json
 from pathlib import Path
 
 from . import integer, integers, number
-from .run import PREFILL_WEIGHTS, add_pool_flag, add_prefill_weights_flag, shared_pool
+from .run import (
+    PREFILL_WEIGHTS,
+    add_pool_flag,
+    add_prefill_weights_flag,
+    add_speculative_flags,
+    shared_pool,
+    speculate,
+)
 
 JSON_SCHEMA = "edgellm-bench"
 JSON_VERSION = 1
@@ -37,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="repeat a timed run (up to 5 times) while other processes use more than PCT%% of the "
                         "CPUs (default 3)")
     add_pool_flag(p, "bench")
+    add_speculative_flags(p, default="off")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-bench v1)")
     p.set_defaults(func=run)
 
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                            shared_pool=shared_pool(args.thread_pool, "bench"))
     config.validate()
     gen = Generator.open(args.directory, config=config)
+    speculate(gen, args, config)  # the prompts are random ids: lookup shows its cost where nothing repeats
     max_seq = gen.manifest.max_seq
     contexts = _contexts(args, max_seq)
     rows = bench_edgellm(gen, contexts, args.new_tokens, args.runs, args.max_other_load)

@@ -3,7 +3,8 @@
 Text streams to stdout as it is generated; one stats line (prompt tokens, time to first token, prefill
 and decode tok/s, peak RSS) follows on stderr. `--json` prints one JSON object instead:
 {"schema": "edgellm-run", "version": 2, "text", "token_ids", "finish_reason", "prompt_ids", "stats": {...}}
-(version 2 added `prompt_ids`, the ids fed for the prompt: BOS first when the checkpoint's tokenizer adds one).
+(version 2 added `prompt_ids`, the ids fed for the prompt: BOS first when the checkpoint's tokenizer adds one;
+`stats.speculative` {mode, drafted, accepted, verifications} is there when speculative decoding ran).
 Sampling flags left out take the export's defaults (manifest `sampler`).
 `--interactive` reads prompts from stdin, one per line, until EOF; the context carries over between turns
 (each later turn is fed as "\\n" + the line) until it is full, then it is reset with a notice on stderr.
@@ -56,9 +57,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a prompt longer than the context keeps its last tokens instead of failing")
     add_pool_flag(p, "run")
     add_prefill_weights_flag(p)
+    add_speculative_flags(p)
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the sha256 check of the export's files (sizes are still checked)")
     p.set_defaults(func=run)
+
+
+def add_speculative_flags(p: argparse.ArgumentParser, default: str = "lookup") -> None:
+    p.add_argument("--speculative", choices=("off", "lookup", "draft"), default=default,
+                   help="speculative decoding, the same tokens faster: lookup drafts from the context (prompt "
+                        "lookup: fast when the answer repeats the prompt), draft runs --draft DIR as the drafter; "
+                        "adaptive, so text that repeats nothing decodes at plain speed (default " + default + ")")
+    p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
+                                                               "same tokenizer")
+    p.add_argument("--draft-tokens", default="8", help="at most this many drafts per verification (default 8)")
+
+
+def speculate(gen, args: argparse.Namespace, config) -> None:
+    """Apply --speculative / --draft / --draft-tokens to an opened Generator."""
+    from edgellm.runtime.errors import EdgeError
+
+    try:
+        k = int(args.draft_tokens)
+    except ValueError:
+        raise EdgeError(f"--draft-tokens: expected an integer, got {args.draft_tokens!r}") from None
+    gen.speculate(args.speculative, args.draft, k, config)
 
 
 def add_pool_flag(p: argparse.ArgumentParser, verb: str) -> None:
@@ -131,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
     need(not args.chat or args.prompt_ids is None, "--chat: takes --prompt text, not --prompt-ids")
     need(not (args.chat and args.truncate), "--truncate: not with --chat (earlier exchanges are dropped instead)")
     ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    need(args.speculative != "draft" or args.draft is not None, "--speculative draft: needs --draft DIR")
+    need(args.draft is None or args.speculative == "draft", "--draft: needs --speculative draft")
     gen = Generator.open(args.directory, config=config, verify=args.verify)
+    speculate(gen, args, config)
     sampling = SamplingParams(**{**gen.default_sampling.to_dict(), **given})
     if args.chat:
         gen.check_chat()  # once, not per line

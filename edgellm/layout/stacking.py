@@ -11,12 +11,15 @@ The stack is built from the layer graphs themselves (the fp32 ones by `edgellm e
   nodes    the embed graph's, then each layer's, values renamed `embed/...`, `layer_3/...`; layer i+1 reads
            layer i's hidden_out
 Weights keep their external-data references (embed.data, layer_i.data): no byte is written twice. Its two
-variants are merged into one graph like a layer's (pairing.py). The head stays its own graph: it runs on one row only.
+variants are merged into one graph like a layer's (pairing.py). The head stays its own graph (it runs on one row
+only), its two variants paired the same way in `head.onnx` (format 9, `pair_head`): one session, whose S is also
+any other count, the k + 1 rows of a speculative verification (runtime/speculative.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from onnx import helper
 
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import need
+from edgellm.runtime.fileio import describe_files
 from edgellm.runtime.graphio import graph_io, graph_paths
 from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import GraphSpec, Manifest
@@ -33,6 +37,7 @@ from edgellm.runtime.session import RunClock, SessionConfig
 from .pairing import pair_layer, renamed_nodes
 
 STACK_FILE = "stack.onnx"
+HEAD_FILE = "head.onnx"
 STACK_TOLERANCE = 1e-4  # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
 
 
@@ -100,6 +105,19 @@ def write_stack(directory: Path, manifest: Manifest, variants: dict[int, list[on
         specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
                                inputs, outputs, paired=True))
     return specs
+
+
+def pair_head(directory: Path, manifest: Manifest) -> Manifest:
+    """Merge the head's two variant graphs (files in `directory`) into `head.onnx` (pairing.py; the same nodes,
+    S symbolic) and point both manifest entries at it; the variant files leave the manifest's file list."""
+    heads = sorted((g for g in manifest.graphs if g.role == "head"), key=lambda g: -g.seq)
+    need(len(heads) == 2 and not any(g.paired for g in heads), "internal: pair_head needs both unpaired head variants")
+    models = [onnx.load(str(directory / g.file), load_external_data=False) for g in heads]
+    (directory / HEAD_FILE).write_bytes(pair_layer(models[0], models[1]).SerializeToString())
+    old = {g.file for g in heads}
+    graphs = tuple(replace(g, file=HEAD_FILE, paired=True) if g.role == "head" else g for g in manifest.graphs)
+    files = {rel: f for rel, f in manifest.files.items() if rel not in old} | describe_files(directory, [HEAD_FILE])
+    return replace(manifest, graphs=graphs, files=files)
 
 
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:

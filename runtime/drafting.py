@@ -1,0 +1,113 @@
+"""Drafters for speculative decoding (runtime/speculative.py): cheap guesses of the next k tokens, which the
+target model then checks in one forward over k + 1 rows.
+
+- `PromptLookup`: no model. The last n tokens of the context (n = 3, then 2; 1 with min_ngram=1) are looked up among the
+  earlier n-grams of the context; the tokens that followed their latest occurrence are the draft. Text that
+  quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted
+  whole. The index is a dict per n, updated as each token arrives: O(n) per token, O(1) per proposal.
+- `DraftModel`: a smaller export with the same tokenizer, run greedily through its own Engine and cache;
+  its cache is rewound (`KVCache.rewind`, the one cache rule) to the longest prefix the context still shares
+  with what it was fed.
+Both are deterministic: the draft is a point mass (speculative.accept_sampled's q = None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .errors import need
+
+MAX_NGRAM = 3
+# a 1-token match (",", "the") drafts what followed its latest occurrence, mostly wrong in free text: each such
+# verification costs more than the token it wins (SmolLM2 chat tasks, bench/speculative.py)
+MIN_NGRAM = 2
+
+
+class PromptLookup:
+    """n-gram lookup over the context so far (prompt + generated tokens)."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+        need(1 <= min_ngram <= max_ngram, f"prompt lookup: expected 1 <= n-gram lengths, got {min_ngram}..{max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        # index[n-1]: the n tokens ending just before position p -> p (the latest such p): what followed them
+        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        """Start over from this context."""
+        self.tokens = []
+        self.index = [{} for _ in range(self.max_ngram)]
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append context tokens (in order), indexing the n-grams that end just before each."""
+        ctx, index = self.tokens, self.index
+        for t in tokens:
+            p = len(ctx)
+            for n in range(1, min(self.max_ngram, p) + 1):
+                index[n - 1][tuple(ctx[p - n:p])] = p
+            ctx.append(int(t))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix ([] when
+        no suffix of 1..max_ngram tokens occurred before)."""
+        ctx = self.tokens
+        for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
+            p = self.index[n - 1].get(tuple(ctx[-n:]))
+            if p is not None:
+                return ctx[p:p + k]
+        return []
+
+
+class DraftModel:
+    """A smaller export run greedily as the drafter: `propose` feeds it the context it has not seen yet (its
+    cache first rewound to the prefix it shares with the context) and decodes k tokens."""
+
+    def __init__(self, directory: Path, target_vocab: int, config, target_tokenizer: dict | None) -> None:
+        from .generator import Generator  # the draft is opened like any export (sha256 checked)
+
+        self.gen = Generator.open(directory, config=config)
+        m = self.gen.manifest
+        need(m.vocab_size == target_vocab,
+             f"--draft {directory}: vocabulary of {m.vocab_size} tokens, the target has {target_vocab}: a draft "
+             "export must share the target's tokenizer")
+        need(target_tokenizer is None or m.tokenizer is None or self._same_tokenizer(directory, target_tokenizer),
+             f"--draft {directory}: its tokenizer differs from the target's (they must be the same file)")
+        need(not any(self.gen.cache.ring), f"--draft {directory}: a model with sliding-window (ring) caches "
+                                           "cannot be rewound, so it cannot draft")
+        self.engine, self.cache = self.gen.engine, self.gen.cache
+        self.tokens: list[int] = []   # the context
+        self.fed = np.zeros(m.max_seq, np.int64)  # ids in the draft cache's rows
+
+    def _same_tokenizer(self, directory: Path, target: dict) -> bool:
+        from .fileio import safe_join, sha256_file
+
+        return sha256_file(safe_join(directory, self.gen.manifest.tokenizer["file"])) == target["sha256"]
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        """A new context (the draft cache keeps what it shares with it: `propose` rewinds to that)."""
+        self.tokens = [int(t) for t in tokens]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, k: int) -> list[int]:
+        ctx, cache = self.tokens, self.cache
+        if k <= 0 or len(ctx) + k > cache.max_seq:
+            return []
+        n = min(cache.length, len(ctx) - 1)  # feed at least the last token: its logits start the draft
+        same = np.flatnonzero(self.fed[:n] != np.asarray(ctx[:n], np.int64))
+        keep = int(same[0]) if len(same) else n
+        cache.rewind(keep)
+        logits = self.engine.forward(ctx[keep:])
+        self.fed[keep:len(ctx)] = ctx[keep:]
+        out: list[int] = []
+        while True:
+            out.append(int(np.argmax(logits)))
+            if len(out) == k:
+                return out
+            self.fed[cache.length] = out[-1]
+            logits = self.engine.forward(out[-1:])

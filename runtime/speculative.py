@@ -1,0 +1,223 @@
+"""Speculative decoding: a drafter (drafting.py) guesses k tokens, one forward over the last token + the k
+drafts (`Engine.few_rows`: the paired stack and head at S = k + 1, every row's logits) checks them all, and
+the cache is rewound to the accepted rows (`KVCache.rewind`: the one cache rule; rejected rows stay in the
+buffers past the length, never read, overwritten by the next writes). Each verification yields >= 1 token.
+
+Acceptance (row i of the verification = the target's logits after the last token and drafts d_1..d_i):
+- greedy (temperature 0): accept d_1..d_n while each equals row i-1's argmax, then row n's argmax. The tokens
+  are those plain greedy decoding picks, up to float rounding: onnxruntime's attention at S = k + 1 sums in
+  another order than at S = 1 (~1e-7 relative in the hidden state), so a near-tie can break the other way.
+- sampling: speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023) against p = softmax of
+  `sampling.filtered` (the very distribution `sample` draws from, repetition penalty included with the drafts
+  as history): accept d with probability min(1, p(d) / q(d)), else draw from norm(max(0, p - q)). The drafters
+  here are deterministic (q a point mass on d): accept with probability p(d), else draw from p without d.
+  Either way every emitted token is distributed exactly as plain sampling's.
+
+`Adaptive` keeps speculation from costing time: an accept-rate EMA and the measured cost of a verification
+(relative to a plain step) pick the k with the best expected tokens per unit of time; when even that is below
+a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing: text that starts
+free and then quotes its prompt gets back to drafting within a few dozen tokens).
+Ring caches (sliding-window layers) cannot be rewound: speculation is off for them (`speculation_off`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter
+
+import numpy as np
+
+from .errors import EdgeError
+from .sampling import SamplingParams, apply_repetition_penalty, filtered, softmax
+
+MODES = ("off", "lookup", "draft")
+DRAFT_TOKENS = 8  # default k: verifying 9 rows costs ~1.5 plain steps on SmolLM2-135M (docs/benchmarks.md)
+
+
+def argmax_checked(logits: np.ndarray) -> int:
+    token = int(np.argmax(logits))
+    if not math.isfinite(logits[token]):
+        raise EdgeError(f"sample: logits must be finite with at least one > -inf, got {logits[token]} at "
+                        f"token {token}")
+    return token
+
+
+def accept_greedy(drafts: Sequence[int], rows: np.ndarray) -> tuple[int, int]:
+    """(drafts accepted, the token after them) for verification logits rows [len(drafts) + 1, V]."""
+    for i, d in enumerate(drafts):
+        t = argmax_checked(rows[i])
+        if t != d:
+            return i, t
+    return len(drafts), argmax_checked(rows[len(drafts)])
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from probabilities p [V] (any positive total): the inverse CDF at u ~ U[0, 1)."""
+    cdf = np.cumsum(p, dtype=np.float64)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(i, int(np.flatnonzero(p)[-1]))  # rounding at the top: the last token with mass
+
+
+def target_probs(logits: np.ndarray, params: SamplingParams, history: np.ndarray) -> np.ndarray:
+    """p [V] float64: the distribution `sampling.sample` draws from for these logits and previous ids."""
+    x = apply_repetition_penalty(np.asarray(logits, np.float32), history, params.repetition_penalty)
+    return softmax(filtered(x, params)).astype(np.float64)
+
+
+def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                   history: np.ndarray, q: np.ndarray | None = None) -> tuple[int, int]:
+    """Speculative rejection sampling: (drafts accepted, the token after them). `history`: the ids before the
+    verification's first row (the repetition penalty's), `q` [k, V]: the drafter's distributions, None for a
+    deterministic drafter (a point mass on each draft)."""
+    penalise = params.repetition_penalty != 1.0
+    for i, d in enumerate(drafts):
+        seen = np.concatenate([history, np.asarray(drafts[:i], np.int64)]) if penalise else history
+        p = target_probs(rows[i], params, seen)
+        if q is None:
+            if rng.random() < p[d]:
+                continue
+            p[d] = 0.0  # the residual max(0, p - q) of a point mass
+            return i, draw(p, rng)
+        if rng.random() * q[i, d] < p[d]:   # u < p(d) / q(d), without dividing by a zero q
+            continue
+        r = np.maximum(p - q[i], 0.0)
+        return i, draw(r if r.sum() > 0 else p, rng)
+    seen = np.concatenate([history, np.asarray(drafts, np.int64)]) if penalise else history
+    return len(drafts), draw(target_probs(rows[len(drafts)], params, seen), rng)
+
+
+class Adaptive:
+    """How many tokens to draft next (0: a plain step), from the accept rate and the measured costs."""
+
+    def __init__(self, k_max: int, timed: bool = True, pause: int = 8, max_pause: int = 32) -> None:
+        """`timed` False: costs from the fixed model only, so k (and with sampling, the random draws each k
+        consumes) depends on the tokens alone: a seed reproduces the text."""
+        self.k_max, self.timed, self.base_pause, self.max_pause = k_max, timed, pause, max_pause
+        self.rate = 0.7                 # EMA of accepted / drafted
+        self.step_s: float | None = None  # EMA seconds of a plain step
+        self.row_s: dict[int, float] = {}  # k -> EMA seconds of a verification of k drafts
+        self.pause, self.wait = pause, 0
+
+    def cost(self, k: int) -> float:
+        """A verification of k drafts in plain steps (measured; 1 + 0.1 k until measured)."""
+        if not self.timed or self.step_s is None or k not in self.row_s:
+            return 1.0 + 0.1 * k
+        return max(self.row_s[k] / self.step_s, 1.0)
+
+    def gain(self, k: int) -> float:
+        """Expected tokens per plain step's time with k drafts (1 = plain decoding)."""
+        a = min(self.rate, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a) / self.cost(k)
+
+    def budget(self) -> int:
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        best = max(range(1, self.k_max + 1), key=self.gain)
+        if self.gain(best) < 1.0:
+            self.wait, self.pause = self.pause, min(2 * self.pause, self.max_pause)
+            self.rate = 0.5  # the probe after the pause starts from an even guess
+            return 0
+        return best
+
+    def timed_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def verified(self, k: int, accepted: int, seconds: float) -> None:
+        self.rate = 0.6 * self.rate + 0.4 * accepted / k
+        old = self.row_s.get(k)
+        self.row_s[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if accepted > 0:
+            self.pause = self.base_pause
+
+
+class Stats:
+    __slots__ = ("mode", "drafted", "accepted", "verifications")
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.drafted, self.accepted, self.verifications = mode, 0, 0, 0
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "drafted": self.drafted, "accepted": self.accepted,
+                "verifications": self.verifications}
+
+
+def configure(gen, speculative: str, draft, draft_tokens: int, config) -> None:
+    """`Generator.speculate`: check the flags, open the draft export (its vocabulary and tokenizer file must be
+    the target's) and set the generator's mode."""
+    from pathlib import Path
+
+    from .errors import need
+
+    need(speculative in MODES, f"--speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
+    need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
+         f"--draft-tokens: expected an integer in 1..32, got {draft_tokens!r}")
+    need((speculative == "draft") == (draft is not None), "--draft DIR: needed by --speculative draft, and only there")
+    gen.speculative, gen.draft_tokens = speculative, draft_tokens
+    if speculative == "draft":
+        from .drafting import DraftModel
+
+        tok = gen.manifest.tokenizer
+        target = {"sha256": gen.manifest.files[tok["file"]].sha256} if tok is not None else None
+        gen._draft = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
+
+
+def speculation_off(cache) -> str | None:
+    """Why speculation cannot run on this cache, or None."""
+    return "sliding-window (ring) caches cannot be rewound" if any(cache.ring) else None
+
+
+def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], int], logits: np.ndarray,
+                       sampling: SamplingParams | None, rng: np.random.Generator, max_new: int,
+                       stats: Stats) -> Iterator[int]:
+    """The Generator's token source with speculation (its plain one is `Generator._plain_tokens`). Invariant
+    at each yield: the token is picked, not fed; `gen.cache` holds rows [0, valid) of the context. The caller
+    may stop at any yield (close()): the cache is then rewound to that token's `valid`. `sampling` None:
+    greedy acceptance."""
+    engine, cache, history = gen.engine, gen.cache, gen._history
+    adaptive = Adaptive(k_max, timed=sampling is None)
+    drafter.reset(history[:cache.length].tolist())
+    valid = cache.length
+    emitted = 0
+    token = pick(logits)
+    try:
+        while True:
+            drafter.extend((token,))
+            valid = cache.length
+            emitted += 1
+            yield token
+            # the token is fed with up to k drafts; the verification must leave >= 1 free row (see Generator)
+            room = min(cache.free - 2, max_new - emitted - 1)
+            k = min(adaptive.budget(), room) if room > 0 else 0
+            drafts = drafter.propose(k) if k > 0 else []
+            start, t0 = cache.length, perf_counter()
+            if not drafts:
+                logits = engine.forward((token,))
+                history[start] = token
+                gen._carry = []
+                adaptive.timed_step(perf_counter() - t0)
+                token = pick(logits)
+                continue
+            k = len(drafts)
+            rows = engine.few_rows([token, *drafts])
+            history[start:start + k + 1] = (token, *drafts)
+            gen._carry = []
+            if sampling is None:
+                n, after = accept_greedy(drafts, rows)
+            else:
+                n, after = accept_sampled(drafts, rows, sampling, rng, history[:start + 1])
+            cache.rewind(start + 1 + n)  # rejected rows: past the length, never read
+            adaptive.verified(k, n, perf_counter() - t0)
+            stats.drafted += k
+            stats.accepted += n
+            stats.verifications += 1
+            for j in range(n):
+                drafter.extend((drafts[j],))
+                valid = start + 1 + j
+                emitted += 1
+                yield drafts[j]
+            token = after
+    finally:  # the caller stopped at a token whose row (and later ones) may be in the cache already
+        if cache.length > valid:
+            cache.rewind(valid)

@@ -1,0 +1,180 @@
+"""Speculative decoding (runtime/speculative.py, drafting.py): greedy output equal to plain greedy decoding token
+for token on every preset and layout (layer graphs rows / inplace with the paired stack + head, one model graph),
+with drafts actually accepted; the draft-export drafter; off on ring caches; rejection sampling that keeps the
+sampling distribution (a statistical test on fixed distributions and seeds); same-seed reproducibility."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgellm.export import ExportOptions, export_model
+from edgellm.runtime.drafting import PromptLookup
+from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.generator import Generator
+from edgellm.runtime.sampling import SamplingParams, StopParams, filtered, softmax
+from edgellm.runtime.speculative import accept_greedy, accept_sampled
+from tests.export_helpers import tiny_model
+
+OPTIONS = dict(max_seq=96, prefill_chunk=8)
+PRESETS = ["llama2", "from-scratch", "stellarbyte", "minicpm4", "qwen2", "qwen3", "mistral", "nanogpt", "gemma3"]
+# (preset, granularity, attention): every preset in the default layout (inplace fused layers + stack + paired
+# head: the S = k + 1 verification), and the other layouts on llama2 (verification through forward_rows)
+SLOW = pytest.mark.slow  # the other presets: ~10 s each
+CASES = [("llama2", "layer", "fused"), ("llama2", "layer", "standard"), ("llama2", "model", "standard"),
+         ("gemma3", "layer", "fused")] + [pytest.param((p, "layer", "fused"), marks=SLOW)
+                                          for p in PRESETS if p not in ("llama2", "gemma3")]
+# a repeated random run: the prompt repeats itself, and the tiny models' greedy text soon loops too
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 256, 12)] * 3
+GREEDY, NEW = SamplingParams(temperature=0), 40
+
+
+def export(root: Path, preset: str, granularity: str, attention: str, seed: int = 0, **over) -> Path:
+    out = root / f"{preset}-{granularity}-{attention}-{seed}"
+    export_model(tiny_model(preset, seed=seed, **over), out,
+                 ExportOptions(granularity=granularity, attention=attention, **OPTIONS), progress=False,
+                 log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return export(tmp_path_factory.mktemp("spec"), "llama2", "layer", "fused")
+
+
+def greedy_ids(gen: Generator, mode: str, prompt=PROMPT, **kw) -> tuple[list[int], dict | None]:
+    gen.speculate(mode, **kw)
+    r = gen.complete(prompt, GREEDY, StopParams(NEW), ignore_eos=True, text=False)
+    return r.token_ids, r.speculative
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_greedy_speculation_gives_the_plain_tokens(case, tmp_path: Path) -> None:
+    out = export(tmp_path, *case)
+    gen = Generator.open(out)
+    plain, none = greedy_ids(gen, "off")
+    got, stats = greedy_ids(gen, "lookup")
+    assert none is None and got == plain
+    if case[0] == "gemma3" and case[2] == "fused":  # layer 0's ring cannot be rewound: speculation stays off
+        assert any(gen.cache.ring) and stats is None
+        return
+    assert stats["accepted"] > 0 and stats["drafted"] >= stats["accepted"], stats
+    assert gen.engine.any_rows == (case[1:] == ("layer", "fused"))
+    # the context continues exactly where plain decoding leaves it (the cache rewound to the last token's rows)
+    gen.speculate("off")
+    gen.complete(PROMPT, GREEDY, StopParams(NEW - 7), ignore_eos=True, text=False)
+    cont_plain = gen.complete([5], GREEDY, StopParams(8), ignore_eos=True, keep_context=True, text=False).token_ids
+    gen.speculate("lookup")
+    gen.complete(PROMPT, GREEDY, StopParams(NEW - 7), ignore_eos=True, text=False)
+    cont = gen.complete([5], GREEDY, StopParams(8), ignore_eos=True, keep_context=True, text=False).token_ids
+    assert cont == cont_plain
+
+
+def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
+    gen = Generator.open(llama)
+    plain, _ = greedy_ids(gen, "off")
+    same, stats = greedy_ids(gen, "draft", draft=llama)  # the target as its own draft: every draft is right
+    assert same == plain and stats["accepted"] >= 0.8 * stats["drafted"] > 0, stats
+    other = export(tmp_path, "llama2", "layer", "fused", seed=1, n_layers=1)  # a different model, same vocab
+    got, stats = greedy_ids(gen, "draft", draft=other, draft_tokens=3)
+    assert got == plain and stats["drafted"] > 0
+    small = export(tmp_path, "llama2", "layer", "fused", vocab_size=128)
+    with pytest.raises(EdgeError, match="vocabulary of 128 tokens, the target has 256"):
+        gen.speculate("draft", draft=small)
+    with pytest.raises(EdgeError, match="--draft DIR: needed by --speculative draft"):
+        gen.speculate("draft")
+
+
+def test_sampling_speculation_is_reproducible(llama: Path) -> None:
+    gen = Generator.open(llama)
+    gen.speculate("lookup")
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1)
+    runs = [gen.complete(PROMPT, params, StopParams(NEW, seed=11), ignore_eos=True, text=False) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].speculative["drafted"] > 0
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    d = PromptLookup(min_ngram=1)
+    d.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8])
+    assert d.propose(4) == []          # "8" never occurred before
+    d.extend([2, 3])                   # suffix 8 2 3: no 3-gram match, "2 3" latest at ... 2 3 -> 7 8 2 3
+    assert d.propose(4) == [7, 8, 2, 3]
+    d.extend([4])                      # suffix 2 3 4 (3-gram) occurred once: followed by 5 9 2 3
+    assert d.propose(3) == [5, 9, 2]
+    d.reset([6, 6])
+    assert d.propose(5) == [6]         # continuation runs up to the end of the context
+    two = PromptLookup()               # the default: matches of 2 or 3 tokens only
+    two.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2])
+    assert two.propose(4) == [] and (two.extend([3]) or two.propose(2)) == [7, 8]
+
+
+def test_accept_greedy() -> None:
+    rows = np.zeros((4, 10), np.float32)
+    rows[0, 3] = rows[1, 5] = rows[2, 1] = rows[3, 8] = 1.0
+    assert accept_greedy([3, 5, 1], rows) == (3, 8)   # all accepted, then the bonus row's argmax
+    assert accept_greedy([3, 4, 1], rows) == (1, 5)   # stops at the first disagreement, with the target's token
+    assert accept_greedy([], rows) == (0, 3)
+
+
+def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
+    """How often each token came first out of `accept_sampled` over n trials (one draft per trial)."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([logits, logits])
+    counts = np.zeros(logits.size, np.int64)
+    for _ in range(n):
+        d, q = draft_of(rng)
+        accepted, after = accept_sampled([d], rows, params, rng, np.zeros(0, np.int64), q)
+        counts[d if accepted else after] += 1
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize("drafter", ["point", "model"])
+def test_rejection_sampling_keeps_the_distribution(params: SamplingParams, drafter: str) -> None:
+    logits = np.random.default_rng(3).normal(0, 1.5, 12).astype(np.float32)
+    p = softmax(filtered(logits, params)).astype(np.float64)  # the distribution plain `sample` draws from
+    q = softmax(np.random.default_rng(4).normal(0, 1.5, 12).astype(np.float32)).astype(np.float64)
+    if drafter == "point":  # a deterministic drafter that always guesses the same (often wrong) token
+        guess = int(np.argsort(p)[-2])
+
+        def draft_of(rng):
+            return guess, None
+    else:                   # a draft model: the draft ~ q, accepted with min(1, p/q)
+
+        def draft_of(rng):
+            return int(rng.choice(12, p=q)), q[None, :]
+    n = 20000
+    freq = first_token_counts(logits, params, draft_of, n, seed=5) / n
+    # every token within 5 standard errors of p (fixed seeds: deterministic), none outside p's support
+    assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-12), (freq, p)
+    assert np.all(freq[p == 0] == 0)
+    # and the drafts do get accepted (the point: fewer target steps), a rejection never returns the draft
+    assert 0.5 * np.abs(freq - p).sum() < 0.02
+
+
+def test_cli_flags(llama: Path, capsys) -> None:
+    from edgellm.cli import main
+
+    ids = ",".join(map(str, PROMPT))
+    base = ["run", str(llama), "--prompt-ids", ids, "--max-new-tokens", "12", "--temperature", "0", "--json"]
+    docs = {}
+    for mode in ("off", "lookup"):
+        assert main(base + ["--speculative", mode, "--draft-tokens", "4"]) == 0
+        docs[mode] = json.loads(capsys.readouterr().out)
+    assert docs["off"]["token_ids"] == docs["lookup"]["token_ids"] and "speculative" not in docs["off"]["stats"]
+    assert docs["lookup"]["stats"]["speculative"]["mode"] == "lookup"
+    assert main(base + ["--speculative", "draft", "--draft", str(llama)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == docs["off"]["token_ids"]
+    assert main(["bench", str(llama), "--speculative", "lookup", "--runs", "1", "--new-tokens", "4", "--contexts", "8",
+                 "--max-other-load", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["context"] == 8
+    for extra, message in ((["--speculative", "draft"], "--speculative draft: needs --draft DIR"),
+                           (["--draft", str(llama)], "--draft: needs --speculative draft"),
+                           (["--draft-tokens", "x"], "--draft-tokens: expected an integer, got 'x'"),
+                           (["--draft-tokens", "0"], "--draft-tokens: expected an integer in 1..32")):
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
