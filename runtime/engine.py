@@ -268,8 +268,7 @@ class Engine:
     def any_rows(self) -> bool:
         """Whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S
         symbolic; manifest format 9), so no row is padding and the head runs on exactly those n rows."""
-        return self.stacked and all(self.manifest.graph(r, 1).paired and not self.manifest.graph(r, 1).selector
-                                    for r in ("stack", "head"))
+        return self.stacked and all(self.manifest.graph(r, 1).paired for r in ("stack", "head"))
 
     def few_rows(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`forward_rows` for a few tokens (a speculative verification: the last token + k drafts): logits
