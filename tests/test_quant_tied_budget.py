@@ -9,12 +9,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
 
 from edgellm.cli import main
 from edgellm.quant.budget import LADDER, smallest_within
+from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.options import QuantizeOptions
-from edgellm.quant.schemes import NBitsArrays, dequantize, from_matmulnbits
+from edgellm.quant.schemes import dequantize, from_matmulnbits
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest
 from tests.quant_helpers import export, quantize
@@ -28,12 +28,8 @@ def tied(tmp_path_factory) -> Path:
 def head_table(out: Path) -> np.ndarray:
     """The lm_head's MatMulNBits table, dequantized: [V, D]."""
     head = onnx.load(out / "head.decode.onnx", load_external_data=True)
-    inits = {t.name: numpy_helper.to_array(t) for t in head.graph.initializer}
     node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    zp = inits[node.input[3]] if len(node.input) > 3 and node.input[3] else None
-    arr = NBitsArrays(inits[node.input[1]], inits[node.input[2]], zp, attrs["bits"], attrs["block_size"],
-                      attrs["K"], attrs["N"])
+    arr = read_nbits(head.graph, node)
     return dequantize(from_matmulnbits(arr))
 
 
