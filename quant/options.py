@@ -2,9 +2,9 @@
 
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
-  2. the lm_head                 `--lm-head` int8 (group 64) | int4 (`--group-size`, default 32) | fp32;
-                                 default: the linears' bits (int4 with --bits 4, as onnxruntime-genai's int4)
-  3. `--int8-layers 0,-1`        every linear of those layers int8 (group 64; with `--bits 4`)
+  2. the lm_head                 `--lm-head` int8 (group 32) | int4 (`--group-size`, default 32) | fp32;
+                                 default: the linears' bits (the CLI's --bits 4: int8, CLI_DEFAULTS)
+  3. `--int8-layers 0,-1`        every linear of those layers int8 (group 32; with `--bits 4`)
      `--int8-fraction F`         (with `--bits 4`) the linears that matter most, about a fraction F of the
                                  linears' weights, int8: chosen by measured sensitivity (mixed.py)
   4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
@@ -34,6 +34,13 @@ METHODS = ("rtn", "mse", "awq", "gptq")
 EMBEDDINGS = ("int8", "fp32")
 LM_HEADS = ("int8", "int4", "fp32")
 INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp16 scale = 8.5 bits/weight)
+# What `edgellm quantize --bits N` uses for the flags not given (the dataclass defaults below are the plain RTN
+# baseline that the API and tests build on). Chosen on SmolLM2-135M against llama.cpp (docs/quantization.md):
+# --bits 4: AWQ (KL 0.376 -> 0.288 at the same bytes) and the tied table int8 (the largest single error source
+# at int4, as llama.cpp's Q4_0/Q4_K_M keep it Q8_0); `--lm-head int4` is the smaller setting. --int8-fraction
+# stays 0: with AWQ, 0.13 measured worse (KL 0.331), with RTN 0.25 better (0.376 -> 0.252, +13 MB).
+CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0},
+                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0}}
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -41,7 +48,7 @@ TIED_NAMES = ("embed.weight", "lm_head.weight")
 @dataclass(frozen=True)
 class QuantizeOptions:
     bits: int = 4
-    group_size: int | None = None       # None: 32 for int4, 64 for int8 (INT8_GROUP)
+    group_size: int | None = None       # None: 32 for int4, INT8_GROUP for int8
     symmetric: bool = True
     format: str = "fast"
     method: str = "rtn"

@@ -296,9 +296,25 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def test_cli_defaults_per_bits() -> None:
+    """`--bits 4` without other flags: AWQ and an int8 table (CLI_DEFAULTS);
+    `--bits 8`: RTN at Q8_0's g32; a flag given wins over the default."""
+    from edgellm.cli import build_parser
+    from edgellm.cli.quantize import options_from_args
+
+    def opts(*flags: str):
+        return options_from_args(build_parser().parse_args(["quantize", "x", "-o", "y", *flags]))
+    o4, o8 = opts("--bits", "4"), opts("--bits", "8")
+    assert (o4.method, o4.head, o4.int8_fraction, o4.group, o4.fp16_scales) == ("awq", "int8", 0.0, 32, True)
+    assert (o8.method, o8.head, o8.int8_fraction, o8.group, o8.fp16_scales) == ("rtn", "int8", 0.0, 32, True)
+    small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
+    assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
+
+
 def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None:
     _, src = untied
-    code, out, _ = cli([src, "-o", tmp_path / "q", "--bits", "4", "--int8-layers", "0", "--lm-head", "fp32"], capsys)
+    code, out, _ = cli([src, "-o", tmp_path / "q", "--bits", "4", "--int8-layers", "0", "--lm-head", "fp32",
+                        "--method", "rtn", "--int8-fraction", "0"], capsys)
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["weight", "scheme", "MB"] and lines[1].startswith("embed.weight")
