@@ -8,7 +8,7 @@ its Q4_1 GGUF dequantized by transformers into an fp32 HF directory (the referen
 --tokens ids of /usr/share/common-licenses/GPL-3 by the checkpoint's tokenizer (no BOS: SmolLM2's tokenizer
 adds none) -> llama.cpp: convert_hf_to_gguf.py --outtype f32, then llama_model_quantize to Q8_0, Q4_0, Q4_K_M
 (defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` for each entry of EDGELLM
-(see EDGELLM). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
+(rebuilt when its flags change). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
 logits_all; edgellm: the diff tool's `export_trace`, the runtime's sessions) are compared with transformers
 fp32: top-1 agreement and mean KL(fp32 || variant) over the T-1 positions that predict a next id, and PPL on
 those ids. The f32 GGUF and the fp32 export are rows too: both must agree with transformers almost exactly,
@@ -89,8 +89,11 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
             continue
         out[name] = root / "edgellm" / name.replace(" ", "-")
         log(f"edgellm: quantize {name} (cached if current)")
+        stamp = out[name].with_suffix(".flags")          # the flags it was built with: rebuilt when they change
+        changed = not stamp.is_file() or stamp.read_text() != " ".join(flags)
         rebuild_if_stale(out[name], lambda o=out[name], f=flags: edgellm(
-            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt)
+            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt or changed)
+        stamp.write_text(" ".join(flags))
     return out
 
 

@@ -42,9 +42,11 @@ def lookup(out: Path, ids: np.ndarray) -> np.ndarray:
     return session.run(["hidden"], {"tokens": ids[None, :1].astype(np.int64)})[0].reshape(-1)[None, :]
 
 
+# awq: the tied lm_head is left out of AWQ's migration, else the lookup would need a second, unmigrated copy
 @pytest.mark.parametrize("kw", [dict(bits=4), dict(bits=4, group_size=64, symmetric=False),
-                                dict(bits=8, group_size=32), dict(bits=4, lm_head="int8")],
-                         ids=["int4-g32", "int4-g64-asym", "int8-g32", "int4+int8head"])
+                                dict(bits=8, group_size=32), dict(bits=4, lm_head="int8"),
+                                dict(bits=4, method="awq", calibration_tokens=64)],
+                         ids=["int4-g32", "int4-g64-asym", "int8-g32", "int4+int8head", "int4-awq"])
 def test_tied_table_is_stored_once_and_read_by_both_uses(tied, tmp_path, kw) -> None:
     out = quantize(tied, tmp_path / "q", **kw)
     m = read_manifest(out)
