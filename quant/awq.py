@@ -114,6 +114,10 @@ class Migrator:
         return spec.scheme
 
     def _search(self, group: Group, get: Callable[[str], np.ndarray]) -> np.ndarray | None:
+        if "embed.weight" in group.weights:
+            # a tied lm_head (its MatMul reads the embedding table): migrating it would leave the lookup
+            # needing the unmigrated table, i.e. a second quantized copy (quant/tied.py shares one)
+            return None
         weights = [np.ascontiguousarray(get(w).T) for w in group.weights]           # canonical [N, K]
         schemes = {self._spec_scheme(w, a.shape) for w, a in zip(group.weights, weights, strict=True)}
         x = self.calibration.samples.get(group.weights[0])

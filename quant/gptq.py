@@ -94,7 +94,7 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, scheme: Scheme, act_order: bool 
                 scales[:, blk], zps[:, blk] = s[:, 0], z[:, 0]
             s, z = scales[:, blk:blk + 1], zps[:, blk:blk + 1]
             x = w1[:, i:i + 1]
-            code = np.clip(np.rint(x / np.where(s > 0, s, 1.0)) + z, 0, scheme.qmax)
+            code = np.clip(np.rint(x / np.where(s != 0, s, 1.0)) + z, 0, scheme.qmax)
             q = dequantize_blocks(code.astype(np.uint8)[:, None, :], s, z)[:, 0, :]
             q_out[:, col] = q[:, 0]
             e = (x[:, 0] - q[:, 0]) / u1[i, i]

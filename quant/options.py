@@ -2,9 +2,9 @@
 
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
-  2. the lm_head                 `--lm-head` int8 (group 64) | int4 (`--group-size`, default 32) | fp32;
-                                 default: the linears' bits (int4 with --bits 4, as onnxruntime-genai's int4)
-  3. `--int8-layers 0,-1`        every linear of those layers int8 (group 64; with `--bits 4`)
+  2. the lm_head                 `--lm-head` int8 (group 32) | int4 (`--group-size`, default 32) | fp32;
+                                 default: the linears' bits (the CLI's --bits 4: int8, CLI_DEFAULTS)
+  3. `--int8-layers 0,-1`        every linear of those layers int8 (group 32; with `--bits 4`)
      `--int8-fraction F`         (with `--bits 4`) the linears that matter most, about a fraction F of the
                                  linears' weights, int8: chosen by measured sensitivity (mixed.py)
   4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
@@ -37,7 +37,14 @@ LmHead = Literal["int8", "int4", "fp32"]
 METHODS: tuple[Method, ...] = get_args(Method)
 EMBEDDINGS: tuple[Embeddings, ...] = get_args(Embeddings)
 LM_HEADS: tuple[LmHead, ...] = get_args(LmHead)
-INT8_GROUP = 64    # the --bits 8 default block: SmolLM2-135M KL 0.0118 vs 0.0154 per channel, +0.8 % size
+INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp16 scale = 8.5 bits/weight)
+# What `edgellm quantize --bits N` uses for the flags not given (the dataclass defaults below are the plain RTN
+# baseline that the API and tests build on). Chosen on SmolLM2-135M against llama.cpp (docs/quantization.md):
+# --bits 4: AWQ (KL 0.376 -> 0.288 at the same bytes) and the tied table int8 (the largest single error source
+# at int4, as llama.cpp's Q4_0/Q4_K_M keep it Q8_0); `--lm-head int4` is the smaller setting. --int8-fraction
+# stays 0: with AWQ, 0.13 measured worse (KL 0.288 -> 0.321), with RTN 0.25 better (0.376 -> 0.252, +13 MB).
+CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0},
+                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0}}
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -45,7 +52,7 @@ TIED_NAMES = ("embed.weight", "lm_head.weight")
 @dataclass(frozen=True)
 class QuantizeOptions:
     bits: int = 4
-    group_size: int | None = None       # None: 32 for int4, 64 for int8 (INT8_GROUP)
+    group_size: int | None = None       # None: 32 for int4, INT8_GROUP for int8
     symmetric: bool = True
     format: Format = "fast"
     method: Method = "rtn"
@@ -58,6 +65,7 @@ class QuantizeOptions:
     seed: int = 0
     act_order: bool = False
     int8_fraction: float = 0.0
+    fp16_scales: bool = True            # scales rounded to and (fast format) stored as float16
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -110,8 +118,12 @@ class QuantizeOptions:
 
     def promoted_spec(self) -> QuantSpec:
         """int8 for the lm_head, `--int8-layers` and `--int8-fraction` weights: --bits 8's group (its default
-        with --bits 4)."""
-        return self._spec(Scheme(8, self.group if self.bits == 8 else INT8_GROUP, self.symmetric))
+        with --bits 4). With --bits 4 and awq/mse they are rounded to nearest: the clip search buys nothing at
+        8 bits (SmolLM2, AWQ + --int8-fraction 0.13: KL 0.331 with clip-searched int8, 0.321 with RTN)."""
+        scheme = Scheme(8, self.group if self.bits == 8 else INT8_GROUP, self.symmetric)
+        if self.bits == 4 and self.method in ("awq", "mse"):
+            return QuantSpec(scheme, "rtn")
+        return self._spec(scheme)
 
     @property
     def head(self) -> str:
@@ -146,7 +158,8 @@ class QuantizeOptions:
     def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,
              hessians: Mapping[str, np.ndarray] | None = None, promoted: frozenset[str] = frozenset()) -> QuantPlan:
         return QuantPlan(self.chooser(n_layers, promoted), self.format, self.accuracy_level, dict(act_scales or {}),
-                         dict(hessians or {}), self.act_order, tight_channel_blocks=True)
+                         dict(hessians or {}), self.act_order, tight_channel_blocks=True,
+                         fp16_scales=self.fp16_scales)
 
     @property
     def calibrated(self) -> bool:

@@ -36,6 +36,7 @@ from .schemes import (
     expand_per_channel,
     quant_error,
     to_matmulnbits,
+    with_fp16_scales,
 )
 
 Format = Literal["fast", "portable"]  # MatMulNBits (onnxruntime) | DequantizeLinear + MatMul (any runtime)
@@ -83,6 +84,9 @@ class QuantPlan:
     # per-channel weights in MatMulNBits: False = blocks of 256 (`expand_per_channel`'s default), True =
     # `channel_block(K)`, which never pads K by more than a block of 16..256 chosen for the fewest bytes
     tight_channel_blocks: bool = False
+    # scales rounded to float16 (codes re-rounded on that grid); the fast format then stores them as fp16
+    # and a Cast feeds MatMulNBits (onnxruntime folds it when the session is created: same kernels)
+    fp16_scales: bool = False
     memo: dict = field(default_factory=dict, compare=False, repr=False)   # see `quantize`
 
     def __post_init__(self) -> None:
@@ -106,6 +110,8 @@ class QuantPlan:
                 qw = gptq_quantize(w, h, spec.scheme, self.act_order)
             else:
                 qw = quantize_weight(w, spec.scheme, "mse" if spec.method == "gptq" else spec.method, act)
+            if self.fp16_scales:
+                qw = with_fp16_scales(w, qw, recode=h is None)
             hit = self.memo[key] = (qw, quant_error(w, qw))
         return hit
 

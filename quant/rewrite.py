@@ -2,6 +2,7 @@
 
     MatMul(A, B [K,N] init)  or  Gemm(A, B, C?, transB) with alpha = beta = 1, transA = 0
       fast:      A --MatMulNBits(B_q [N,nb,blob], scales [N,nb], zp?)--> Y  [--Add(C)--> Y]
+                 (with the plan's fp16_scales: scales16 [N,nb] float16 --Cast--> scales, a prologue node)
       portable:  B_q [K,N] --DequantizeLinear(scale, zp?)--> B' ;  A --MatMul(B')--> Y  [--Add(C)--> Y]
     Gather(E [V,D] init, ids, axis=0)  (the token embedding; int8 per row only)
       ids --Gather(E_q [V,D] int8)--Cast(float)--[Sub(Cast(Gather(zp [V,1])))]--Mul(Gather(scale [V,1]))--> Y
@@ -37,7 +38,7 @@ from .plan import (
     WeightSite,
     by_pattern,
 )
-from .schemes import QuantizedWeight, pack_nibbles, to_dequantize_linear
+from .schemes import QuantizedWeight, fp16_exact, pack_nibbles, to_dequantize_linear
 
 # the plan types lived here first: importers of rewrite keep working
 __all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "WeightReport", "WeightSite",
@@ -124,10 +125,17 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan) 
     arr = plan.nbits(qw)
     names, total = [], 0
     for suffix, value in (("q", arr.b), ("scales", arr.scales), ("zp", arr.zero_points)):
-        if value is not None:
+        if value is None:
+            continue
+        if suffix == "scales" and plan.fp16_scales and fp16_exact(value):
+            # stored fp16; MatMulNBits takes the activations' type, so a Cast (folded at session creation)
+            half, size = b.array(f"{name}.scales16", value.astype(np.float16))
+            n = b.fresh(f"{name}.scales")
+            b.prologue.append(helper.make_node("Cast", [half], [n], name=n, to=TensorProto.FLOAT))
+        else:
             n, size = b.array(f"{name}.{suffix}", value)
-            names.append(n)
-            total += size
+        names.append(n)
+        total += size
     return names, total, {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
 
 

@@ -6,7 +6,10 @@ ONNX `MatMul` initializer is [K, N], so the rewrite passes `B.T`.
 
 Codes are always stored unsigned, with a zero point: dequantized = (code - zero_point) * scale.
   symmetric:  q = clip(round(w / s), -2^(b-1), 2^(b-1) - 1), code = q + 2^(b-1), zero_point = 2^(b-1)
-              (MatMulNBits' implicit zero point; ONNX int8/int4 takes q itself with no zero point)
+              (MatMulNBits' implicit zero point; ONNX int8/int4 takes q itself with no zero point).
+              8 bits: s = max|w| / 127 (llama.cpp's Q8_0 rule). 4 bits: s = w_ext / -8 with w_ext the block's
+              value of largest magnitude, sign kept (llama.cpp's Q4_0 rule): w_ext lands exactly on code -8
+              and all 16 codes are used, a step of max|w|/8 instead of max|w|/7 (s may be negative).
   asymmetric: code = clip(round(w / s) + zp, 0, 2^b - 1), zp = round(-lo / s), with the block range
               [lo, hi] widened to include 0 (as MLAS does) so zp is an exact integer inside [0, 2^b - 1].
 Rounding is half-to-even (`np.rint`), as ONNX QuantizeLinear and MLAS' vector quantizers do. The kernels
@@ -115,20 +118,20 @@ def to_blocks(w: np.ndarray, block_len: int) -> np.ndarray:
 
 
 def block_range(wb: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block (lo, hi) [N, n_blocks] that the codes must cover; always contains 0."""
-    if symmetric:
-        amax = np.abs(wb).max(axis=-1)
-        return -amax, amax
+    """Per-block (lo, hi) [N, n_blocks] that the codes must cover; always contains 0 (the same for both
+    symmetries: `params_from_range` makes a symmetric grid around 0 from it)."""
     return np.minimum(wb.min(axis=-1), 0.0), np.maximum(wb.max(axis=-1), 0.0)
 
 
 def params_from_range(lo: np.ndarray, hi: np.ndarray, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
     """Scale float32 and zero point uint8 [N, n_blocks] mapping [lo, hi] (lo <= 0 <= hi) onto the codes."""
     if scheme.symmetric:
-        # symmetric: |w| <= hi maps into [-(2^(b-1) - 1), 2^(b-1) - 1], so RTN never clamps
-        scale = (hi / (scheme.mid - 1)).astype(np.float32)
-        zp = np.full(scale.shape, scheme.mid, np.uint8)
-        return scale, zp
+        zp = np.full(np.shape(lo), scheme.mid, np.uint8)
+        if scheme.bits == 8:     # max|w| maps onto +-127: RTN never clamps
+            return (np.maximum(-lo, hi) / (scheme.mid - 1)).astype(np.float32), zp
+        # 4 bits: the extreme value (sign kept) onto code -8; the other side's values past 7.5 |s| clamp to 7
+        ext = np.where(-lo >= hi, lo, hi)
+        return (ext / -scheme.mid).astype(np.float32), zp
     scale = ((hi - lo) / scheme.qmax).astype(np.float32)
     safe = np.where(scale > 0, scale, 1.0)
     zp = np.clip(np.rint(-lo / safe), 0, scheme.qmax)
@@ -138,7 +141,7 @@ def params_from_range(lo: np.ndarray, hi: np.ndarray, scheme: Scheme) -> tuple[n
 def codes_for(wb: np.ndarray, scale: np.ndarray, zp: np.ndarray, scheme: Scheme) -> np.ndarray:
     """Round blocks [N, nb, bl] onto the grid given per-block scale/zp [N, nb] -> uint8 codes, same shape."""
     s = scale[..., None]
-    q = np.where(s > 0, np.rint(wb / np.where(s > 0, s, 1.0)), 0.0) + zp[..., None].astype(np.float32)
+    q = np.where(s != 0, np.rint(wb / np.where(s != 0, s, 1.0)), 0.0) + zp[..., None].astype(np.float32)
     return np.clip(q, 0, scheme.qmax).astype(np.uint8)
 
 
@@ -168,6 +171,25 @@ def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
     for sl in row_chunks(n, k):
         codes[sl] = codes_for(to_blocks(w[sl], bl), scales[sl], zero_points[sl], scheme).reshape(-1, nb * bl)
     return QuantizedWeight(scheme, k, codes, scales, zero_points)
+
+
+def fp16_exact(scales: np.ndarray) -> bool:
+    """Whether float32 scales survive a round trip through float16 unchanged."""
+    return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
+
+
+def with_fp16_scales(w: np.ndarray, qw: QuantizedWeight, recode: bool = True) -> QuantizedWeight:
+    """qw with its scales rounded to float16 (stored as fp16: half the scale bytes, llama.cpp's choice) and,
+    with `recode`, the codes re-rounded on the rounded grid (RTN/mse; GPTQ keeps its compensated codes).
+    Unchanged when a scale would not survive the rounding (a nonzero scale below fp16's smallest normal,
+    2^-14 * 2^-10 subnormals aside, or above 65504): that weight keeps float32 scales."""
+    s16 = qw.scales.astype(np.float16)
+    if not np.all(np.isfinite(s16)) or np.any((s16 == 0) != (qw.scales == 0)):
+        return qw
+    scales = s16.astype(np.float32)
+    if not recode:
+        return QuantizedWeight(qw.scheme, qw.k, qw.codes, scales, qw.zero_points)
+    return quantize(w, qw.scheme, scales, qw.zero_points)
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:

@@ -27,7 +27,7 @@ from edgellm.runtime.errors import need
 
 from .onnxedit import require_opset
 from .plan import QuantPlan, WeightReport, WeightSite
-from .schemes import QuantizedWeight, to_dequantize_linear
+from .schemes import QuantizedWeight, fp16_exact, to_dequantize_linear
 
 
 def _tied_gathers(graph: onnx.GraphProto) -> list[tuple[int, str]]:
@@ -74,8 +74,11 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
     arr = plan.nbits(qw)
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     nb, bs = arr.b.shape[1], arr.block_size
-    b, scales = inits.add(f"{base}.q", arr.b), inits.add(f"{base}.scales", arr.scales)
-    stored = arr.b.nbytes + arr.scales.nbytes
+    half = plan.fp16_scales and fp16_exact(arr.scales)     # the head's fp16 copy (rewrite.py), cast per row
+    b = inits.add(f"{base}.q", arr.b)
+    scales = inits.add(f"{base}.scales16", arr.scales.astype(np.float16)) if half else \
+        inits.add(f"{base}.scales", arr.scales)
+    stored = arr.b.nbytes + (arr.scales.nbytes // 2 if half else arr.scales.nbytes)
     axes = inits.add(f"{base}.axes_last", np.array([-1], np.int64))
     names = ("q", "qf", "zp", "zpf", "zpu", "c", "s", "su", "r3", "r2", "rows", "hi", "hi16", "lo", "loU", "hiU",
              "pair", "qb")
@@ -107,8 +110,11 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
         zero = t["zpu"]
     shape = inits.add(f"{base}.rows_shape", np.array([0, nb * bs], np.int64))
     nodes += [helper.make_node("Sub", [t["qf"], zero], [t["c"]], name=f"{p}/centre"),
-              helper.make_node("Gather", [scales, ids], [t["s"]], name=f"{p}/scale", axis=0),  # [S, nb]
-              helper.make_node("Unsqueeze", [t["s"], axes], [t["su"]], name=f"{p}/scale_unsq"),
+              helper.make_node("Gather", [scales, ids], [t["s"]], name=f"{p}/scale", axis=0)]  # [S, nb]
+    if half:
+        nodes.append(helper.make_node("Cast", [t["s"]], [t["s"] + "/f"], name=f"{p}/scale_cast", to=TensorProto.FLOAT))
+        t["s"] += "/f"
+    nodes += [helper.make_node("Unsqueeze", [t["s"], axes], [t["su"]], name=f"{p}/scale_unsq"),
               helper.make_node("Mul", [t["c"], t["su"]], [t["r3"]], name=f"{p}/dequant"),
               helper.make_node("Reshape", [t["r3"], shape], [t["r2"]], name=f"{p}/rows")]
     rows = t["r2"]

@@ -222,7 +222,8 @@ def work(tmp_path_factory) -> Path:
                  log=lambda _: None, progress=False)
     shutil.copytree(root / "fp32", root / "bad")
     _corrupt_qkv(root / "bad", layer=1, factor=4.0)
-    assert cli_main(["quantize", str(root / "fp32"), "-o", str(root / "int4"), "--bits", "4", "--no-progress"]) == 0
+    assert cli_main(["quantize", str(root / "fp32"), "-o", str(root / "int4"), "--bits", "4", "--method", "rtn",
+                     "--lm-head", "int4", "--no-progress"]) == 0   # the pre-issue-22 int4 default: RTN, int4 table
     return root
 
 

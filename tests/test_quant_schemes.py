@@ -17,6 +17,7 @@ from edgellm.quant.schemes import (
     pack_nibbles,
     quant_error,
     quantize,
+    to_blocks,
     to_dequantize_linear,
     to_matmulnbits,
     unpack_nibbles,
@@ -49,8 +50,18 @@ def test_rtn_error_within_half_step(scheme: Scheme, k: int) -> None:
     if scheme.symmetric:
         assert np.all(qw.zero_points == scheme.mid)
     err = np.abs(w - dequantize(qw))
-    bound = per_element(qw.scales, qw, k) / 2
-    assert np.all(err <= bound * (1 + 1e-5) + 1e-7)
+    step = np.abs(per_element(qw.scales, qw, k))
+    if scheme.bits == 4 and scheme.symmetric:
+        # Q4_0's rule: the extreme value lands exactly on code -8 (scale = w_ext / -8), the other side's
+        # values past 7.5 steps clamp to +7 (error < 1 step); everything else is within half a step
+        signed = w / np.where(step > 0, per_element(qw.scales, qw, k), 1.0)
+        ext = np.abs(w) == per_element(np.abs(to_blocks(w, scheme.block_len(k))).max(-1), qw, k)
+        assert np.all(err[ext & (step > 0)] <= 1e-6 * step[ext & (step > 0)])
+        clamped = signed > 7.5
+        assert np.all(err[clamped] < step[clamped] * (1 + 1e-5)) and np.all(signed >= -8 - 1e-5)
+        assert np.all(err[~clamped] <= step[~clamped] / 2 * (1 + 1e-5) + 1e-7)
+    else:
+        assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
     assert np.all(dequantize(qw)[0] == 0.0)                # an all-zero row stays exactly zero
     stats = quant_error(w, qw)
     assert stats.max_abs_err == pytest.approx(float(err.max()), rel=1e-6)

@@ -9,12 +9,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
 
 from edgellm.cli import main
 from edgellm.quant.budget import LADDER, smallest_within
+from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.options import QuantizeOptions
-from edgellm.quant.schemes import NBitsArrays, dequantize, from_matmulnbits
+from edgellm.quant.schemes import dequantize, from_matmulnbits
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest
 from tests.quant_helpers import export, quantize
@@ -28,12 +28,8 @@ def tied(tmp_path_factory) -> Path:
 def head_table(out: Path) -> np.ndarray:
     """The lm_head's MatMulNBits table, dequantized: [V, D]."""
     head = onnx.load(out / read_manifest(out).graph("head", 1).file, load_external_data=True)  # paired: head.onnx
-    inits = {t.name: numpy_helper.to_array(t) for t in head.graph.initializer}
     node = next(n for n in head.graph.node if n.op_type == "MatMulNBits")
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    zp = inits[node.input[3]] if len(node.input) > 3 and node.input[3] else None
-    arr = NBitsArrays(inits[node.input[1]], inits[node.input[2]], zp, attrs["bits"], attrs["block_size"],
-                      attrs["K"], attrs["N"])
+    arr = read_nbits(head.graph, node)
     return dequantize(from_matmulnbits(arr))
 
 
@@ -46,9 +42,11 @@ def lookup(out: Path, ids: np.ndarray) -> np.ndarray:
     return session.run(["hidden"], {"tokens": ids[None, :1].astype(np.int64)})[0].reshape(-1)[None, :]
 
 
+# awq: the tied lm_head is left out of AWQ's migration, else the lookup would need a second, unmigrated copy
 @pytest.mark.parametrize("kw", [dict(bits=4), dict(bits=4, group_size=64, symmetric=False),
-                                dict(bits=8, group_size=32), dict(bits=4, lm_head="int8")],
-                         ids=["int4-g32", "int4-g64-asym", "int8-g32", "int4+int8head"])
+                                dict(bits=8, group_size=32), dict(bits=4, lm_head="int8"),
+                                dict(bits=4, method="awq", calibration_tokens=64)],
+                         ids=["int4-g32", "int4-g64-asym", "int8-g32", "int4+int8head", "int4-awq"])
 def test_tied_table_is_stored_once_and_read_by_both_uses(tied, tmp_path, kw) -> None:
     out = quantize(tied, tmp_path / "q", **kw)
     m = read_manifest(out)

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     _stage("export: static-KV ONNX graphs, verified against PyTorch",
            ["export", model, "-o", fp32])  # defaults: the model's context (<= 512), prefill chunks of 32
-    _stage("quantize: int8 (g64 blocks)", ["quantize", fp32, "-o", int8, "--bits", "8"])
+    _stage("quantize: int8 (g32 blocks, fp16 scales)", ["quantize", fp32, "-o", int8, "--bits", "8"])
     _stage("quantize: int4 block-wise (group 32, MSE-searched scales)",
            ["quantize", fp32, "-o", int4, "--bits", "4", "--group-size", "32", "--method", "mse"])
     _stage("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=integer, required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
     p.add_argument("--group-size", type=integer, default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
-                        "scale per output channel (default: 32 for --bits 4, 64 for --bits 8)")
+                        "scale per output channel (default: 32)")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
                      help="zero point fixed at the middle code (default)")
@@ -36,22 +36,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="fast", metavar="{fast,portable}",
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
-    p.add_argument("--method", default="rtn", metavar="{rtn,mse,awq,gptq}",
-                   help="rtn: round to nearest (default); mse: per-group clip search for the least squared "
+    p.add_argument("--method", default=None, metavar="{rtn,mse,awq,gptq}",
+                   help="default: awq for --bits 4, rtn for --bits 8. rtn: round to nearest; mse: per-group clip search for the least squared "
                         "error; awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
                         "on text it samples itself (int4); gptq: GPTQ's error-compensating rounding against each "
                         "linear's Hessian from the same calibration activations")
     p.add_argument("--embeddings", default="int8", metavar="{int8,fp32}", help="int8 (per row, default) or fp32")
     p.add_argument("--lm-head", default=None, metavar="{int8,int4,fp32}",
-                   help="int8 (groups of 64), int4 (--group-size groups) or fp32; default: as --bits (int4 decodes "
-                        "~10%% faster, int8 halves the int4 model's KL). A tied int8 lm_head and int8 embeddings "
+                   help="int8 (groups of 32), int4 (--group-size groups) or fp32; default int8 (int4 decodes "
+                        "~10%% faster, int8 halves the int4 model's KL). A tied lm_head and the embedding lookup "
                         "share one table")
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
     p.add_argument("--int8-layers", type=integers, default=[], metavar="LIST",
-                   help="with --bits 4: these layers' linears int8 (groups of 64), e.g. 0,-1 (first and last)")
+                   help="with --bits 4: these layers' linears int8 (groups of 32), e.g. 0,-1 (first and last)")
     p.add_argument("--accuracy-level", type=integer, default=4, metavar="{0,1,4}",
                    help="MatMulNBits compute (fast format): 4 = int8 activations (fastest, default), "
                         "0/1 = fp32 activations")
@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens the fp32 export samples for --method awq/gptq and --int8-fraction (default 512)")
     p.add_argument("--act-order", action="store_true",
                    help="--method gptq: quantize columns in order of decreasing activation energy")
-    p.add_argument("--int8-fraction", type=number, default=0.0, metavar="F",
+    p.add_argument("--int8-fraction", type=number, default=None, metavar="F",
                    help="--bits 4: about this fraction of the linears' weights int8, the most sensitive ones as "
                         "measured on calibration data (default 0)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
@@ -72,14 +72,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace):
-    from edgellm.quant.options import QuantizeOptions
+    from edgellm.quant.options import CLI_DEFAULTS, QuantizeOptions
 
+    default = CLI_DEFAULTS.get(args.bits, CLI_DEFAULTS[4])      # a bad --bits fails in validate()
+    fraction = default["int8_fraction"] if args.int8_fraction is None else args.int8_fraction
     options = QuantizeOptions(
         bits=args.bits, group_size=args.group_size,
-        symmetric=args.symmetric, format=args.format, method=args.method, embeddings=args.embeddings,
-        lm_head=args.lm_head, keep=tuple(args.keep), int8_layers=tuple(dict.fromkeys(args.int8_layers)),
-        accuracy_level=args.accuracy_level, calibration_tokens=args.calibration_tokens, seed=args.seed,
-        act_order=args.act_order, int8_fraction=args.int8_fraction)
+        symmetric=args.symmetric, format=args.format, method=args.method or default["method"],
+        embeddings=args.embeddings, lm_head=args.lm_head or default["lm_head"], keep=tuple(args.keep),
+        int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
+        calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
+        int8_fraction=fraction)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options
