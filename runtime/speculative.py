@@ -150,10 +150,10 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config) -> None:
 
     from .errors import need
 
-    need(speculative in MODES, f"--speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
+    need(speculative in MODES, f"speculative: expected one of {', '.join(MODES)}, got {speculative!r}")
     need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
-         f"--draft-tokens: expected an integer in 1..32, got {draft_tokens!r}")
-    need((speculative == "draft") == (draft is not None), "--draft DIR: needed by --speculative draft, and only there")
+         f"draft_tokens: expected an integer in 1..32, got {draft_tokens!r}")
+    need((speculative == "draft") == (draft is not None), "draft: needed by `speculative` 'draft', and only there")
     gen.speculative, gen.draft_tokens = speculative, draft_tokens
     if speculative == "draft":
         from .drafting import DraftModel

@@ -84,7 +84,7 @@ def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     small = export(tmp_path, "llama2", "layer", "fused", vocab_size=128)
     with pytest.raises(EdgeError, match="vocabulary of 128 tokens, the target has 256"):
         gen.speculate("draft", draft=small)
-    with pytest.raises(EdgeError, match="--draft DIR: needed by --speculative draft"):
+    with pytest.raises(EdgeError, match="draft: needed by `speculative` 'draft'"):
         gen.speculate("draft")
 
 
@@ -172,6 +172,15 @@ def test_cli_flags(llama: Path, capsys) -> None:
     assert main(["bench", str(llama), "--speculative", "lookup", "--runs", "1", "--new-tokens", "4", "--contexts", "8",
                  "--max-other-load", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["context"] == 8
+    # auto (the default): lookup on this float export, off on a quantized one (int8 activations: see --help)
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["speculative"]["mode"] == "lookup"
+    q8 = llama.parent / "q8"
+    if not q8.exists():
+        assert main(["quantize", str(llama), "-o", str(q8), "--bits", "8", "--no-check", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(q8)] + base[2:]) == 0
+    assert "speculative" not in json.loads(capsys.readouterr().out)["stats"]
     for extra, message in ((["--speculative", "draft"], "--speculative draft: needs --draft DIR"),
                            (["--draft", str(llama)], "--draft: needs --speculative draft"),
                            (["--draft-tokens", "x"], "--draft-tokens: expected an integer, got 'x'"),

@@ -31,7 +31,8 @@ VERBS = {
 
 # Runtime (Python API) parameters whose errors reach the CLI; the runtime never names flags.
 RUNTIME_PARAMS = ("prompt", "prompt_ids", "truncate", "chat", "stop", "threads", "temperature", "top_k", "top_p",
-                  "min_p", "repetition_penalty", "max_new_tokens", "seed", "vocab_size")
+                  "min_p", "repetition_penalty", "max_new_tokens", "seed", "vocab_size", "speculative", "draft_tokens",
+                  "draft")
 
 
 def as_flags(message: str) -> str:

@@ -63,25 +63,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_speculative_flags(p: argparse.ArgumentParser, default: str = "lookup") -> None:
-    p.add_argument("--speculative", choices=("off", "lookup", "draft"), default=default,
-                   help="speculative decoding, the same tokens faster: lookup drafts from the context (prompt "
-                        "lookup: fast when the answer repeats the prompt), draft runs --draft DIR as the drafter; "
-                        "adaptive, so text that repeats nothing decodes at plain speed (default " + default + ")")
+def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--speculative", choices=("auto", "off", "lookup", "draft"), default=default,
+                   help="speculative decoding, faster where the answer repeats its context: lookup drafts from the "
+                        "context (prompt lookup), draft runs --draft DIR as the drafter; adaptive, so text that "
+                        "repeats nothing decodes at plain speed. auto: lookup on float exports (the same tokens as "
+                        "plain decoding, measured), off on quantized ones, whose int8 activations can turn "
+                        "attention's different summation order over k + 1 rows into another token at a near-tie "
+                        "(default " + default + ")")
     p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
                                                                "same tokenizer")
-    p.add_argument("--draft-tokens", default="8", help="at most this many drafts per verification (default 8)")
+    p.add_argument("--draft-tokens", type=integer, default=8, metavar="K",
+                   help="at most this many drafts per verification (default 8)")
 
 
 def speculate(gen, args: argparse.Namespace, config) -> None:
     """Apply --speculative / --draft / --draft-tokens to an opened Generator."""
-    from edgellm.runtime.errors import EdgeError
-
-    try:
-        k = int(args.draft_tokens)
-    except ValueError:
-        raise EdgeError(f"--draft-tokens: expected an integer, got {args.draft_tokens!r}") from None
-    gen.speculate(args.speculative, args.draft, k, config)
+    mode = args.speculative
+    if mode == "auto":
+        mode = "off" if gen.manifest.quantization else "lookup"
+    gen.speculate(mode, args.draft, args.draft_tokens, config)
 
 
 def add_pool_flag(p: argparse.ArgumentParser, verb: str) -> None:
