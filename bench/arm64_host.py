@@ -62,12 +62,13 @@ def prepare(work: Path) -> None:
     # int4 with the MSE clip search: round-to-nearest collapses this scaled-up toy model's greedy output to one
     # repeated token, which would make the comparison weak
     for bits, method in (("8", "rtn"), ("4", "mse")):
-        subprocess.run(["edgellm", "quantize", str(fp32), "-o", str(exports / f"int{bits}"), "--bits", bits,
-                        "--method", method, "--no-progress", "--no-check"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / f"int{bits}"),
+                        "--bits", bits, "--method", method, "--no-progress", "--no-check"], check=True,
+                       stdout=subprocess.DEVNULL)
     names = ["fp32", "int8", "int4"]
     for name in names:
-        out = subprocess.run(["edgellm", "run", str(exports / name), "--prompt", PROMPT, *RUN_FLAGS], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run([sys.executable, "-m", "edgellm", "run", str(exports / name), "--prompt", PROMPT,
+                              *RUN_FLAGS], check=True, capture_output=True, text=True).stdout
         (host / f"{name}.json").write_text(out)
     print(" ".join(names))
 

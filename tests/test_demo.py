@@ -28,9 +28,11 @@ def test_demo_quantizes_to_int8_and_int4_and_runs_every_export(tmp_path, capfd):
     assert int4.quantization["options"]["method"] == "mse"  # the demo's int4 uses the error-reducing method
     for manifest, bits, group in ((int8, 8, INT8_GROUP), (int4, 4, 32)):
         assert manifest.quantization["options"]["bits"] == bits
-        linears = [w for w in manifest.quantization["weights"].values() if w["op"] != "Gather"]
+        weights = manifest.quantization["weights"]
+        linears = [w for n, w in weights.items() if w["op"] != "Gather" and n != "lm_head.weight"]
         assert linears and {w["bits"] for w in linears} == {bits}
         assert {w["block_size"] for w in linears} == {group}
+        assert weights["lm_head.weight"]["bits"] == 8  # `quantize --bits 4` keeps the lm_head int8 (CLI default)
 
     # each export generated text: the side-by-side greedy lines are non-empty
     for name in ("fp32", "int8", "int4"):
