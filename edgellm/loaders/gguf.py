@@ -47,8 +47,6 @@ def load_gguf(path: Path, lazy: bool = False) -> Loaded:
     except BaseException:
         g.close()
         raise
-    if weights is None:
-        g.close()
     return Loaded(model, cfg, tokenizer, "gguf", weights)
 
 

@@ -76,6 +76,4 @@ def load_hf(directory: Path, lazy: bool = False) -> Loaded:
     except BaseException:
         source.close()
         raise
-    if weights is None:
-        source.close()
     return Loaded(model, cfg, tokenizer, "hf", weights)

@@ -123,10 +123,14 @@ def _swap(model: Decoder, name: str, device: str) -> None:
 
 def model_or_weights(meta: Decoder, plan: Plan, source, lazy: bool) -> tuple[Decoder, LazyWeights | None]:
     """What every loader ends with, once `plan` is checked against `source`: `lazy`, the meta-device model and a
-    LazyWeights that now owns `source`; else the model filled from `source` (eval mode; the caller closes it)."""
+    LazyWeights that now owns `source`; else the model filled from `source` (eval mode), which is then closed.
+    Either way the caller closes `source` only when something before this call failed."""
     if lazy:
         weights = LazyWeights(meta.eval(), plan, source)
         return weights.model, weights
-    model = materialize(meta)
-    fill_model(model, plan, source)
+    try:
+        model = materialize(meta)
+        fill_model(model, plan, source)
+    finally:
+        source.close()
     return model.eval(), None

@@ -126,8 +126,6 @@ def load_native(directory: Path, lazy: bool = False) -> Loaded:
     except BaseException:
         source.close()
         raise
-    if lazy_weights is None:
-        source.close()
     return Loaded(model, cfg, tokenizer, "edgellm", lazy_weights)
 
 
