@@ -325,15 +325,11 @@ class Engine:
             v.positions[0, 0] = length
         else:  # padded rows get valid positions too (clamped): their values are never used
             np.minimum(np.arange(length, length + v.seq), cache.max_seq - 1, out=v.positions[0])
-        if hook is not None:
+        if v.releases or hook is not None:
             for graph, spec, release in zip(v.body, v.specs, v.release, strict=False):  # specs: + the head's
                 graph.run()
-                hook(GraphRun(spec, graph.inputs, graph.outputs, length, count))
-                if release:
-                    self.weights.release(release)
-        elif v.releases:
-            for graph, release in zip(v.body, v.release, strict=True):
-                graph.run()
+                if hook is not None:
+                    hook(GraphRun(spec, graph.inputs, graph.outputs, length, count))
                 if release:  # a prefill graph's unpacked weights: out of RSS until its next run
                     self.weights.release(release)
         else:
