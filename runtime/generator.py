@@ -23,7 +23,7 @@ with the export's chat template (runtime/chat.py) and reuses the cached prefix i
 Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculative.py) changes how the tokens
 are computed, not which: greedy picks plain decoding's tokens (up to float rounding), sampling keeps the
 distribution, and `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run`
-turns lookup on).
+turns lookup on for float exports: `--speculative auto`).
 
 Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
 `ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are
@@ -34,7 +34,6 @@ is returned but there is no cache row left to feed it).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +44,11 @@ import numpy as np
 from .chat import ChatTemplate
 from .drafting import PromptLookup
 from .engine import Engine
-from .errors import EdgeError, need
+from .errors import need
 from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
-from .sampling import SamplingParams, StopParams, sample
+from .sampling import SamplingParams, StopParams, argmax_checked, sample
 from .session import RunClock, SessionConfig
 from .speculative import DRAFT_TOKENS, Stats, configure, speculation_off, speculative_tokens
 from .stats import Timings, make_timings, peak_rss_mb
@@ -90,17 +89,6 @@ class Result:
         spec = {"speculative": self.speculative} if self.speculative is not None else {}
         return {"text": self.text, "token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
                 "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1), **spec}}
-
-
-def _greedy(logits: np.ndarray) -> int:
-    """`sample` for temperature 0 without a penalty, in one pass instead of two (max, then argmax): argmax
-    lands on the first NaN or +inf if there is one, so checking the picked value alone rejects the same
-    logits `sample` rejects."""
-    token = int(np.argmax(logits))
-    if not math.isfinite(logits[token]):  # not need(): its message would be formatted every step
-        raise EdgeError(f"sample: logits must be finite with at least one > -inf, got {logits[token]} at "
-                        f"token {token}")
-    return token
 
 
 class Generator:
@@ -290,7 +278,7 @@ class Generator:
             self._history[self.cache.length - len(feed):self.cache.length] = feed
 
             def pick(logits: np.ndarray) -> int:
-                return _greedy(logits) if plain_greedy else sample(
+                return argmax_checked(logits) if plain_greedy else sample(
                     logits, sampling, rng, self._history[:self.cache.length] if penalise else ())
 
             source = self._plain_tokens(pick, logits)

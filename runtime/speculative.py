@@ -22,25 +22,15 @@ Ring caches (sliding-window layers) cannot be rewound: speculation is off for th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
 
 import numpy as np
 
-from .errors import EdgeError
-from .sampling import SamplingParams, apply_repetition_penalty, filtered, softmax
+from .sampling import SamplingParams, apply_repetition_penalty, argmax_checked, filtered, softmax
 
 MODES = ("off", "lookup", "draft")
 DRAFT_TOKENS = 8  # default k: verifying 9 rows costs ~1.5 plain steps on SmolLM2-135M (docs/benchmarks.md)
-
-
-def argmax_checked(logits: np.ndarray) -> int:
-    token = int(np.argmax(logits))
-    if not math.isfinite(logits[token]):
-        raise EdgeError(f"sample: logits must be finite with at least one > -inf, got {logits[token]} at "
-                        f"token {token}")
-    return token
 
 
 def accept_greedy(drafts: Sequence[int], rows: np.ndarray) -> tuple[int, int]:
