@@ -118,6 +118,9 @@ class Engine:
         self.config = config
         self.layered = manifest.granularity == "layer"
         self.stacked = runs_stack(manifest, config)
+        # whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S symbolic;
+        # manifest format 9), so no row is padding and the head runs on exactly those n rows
+        self.any_rows = self.stacked and all(manifest.graph(r, 1).paired for r in ("stack", "head"))
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
@@ -263,12 +266,6 @@ class Engine:
             self._run_chunk(variant, tokens[start:start + count], count, hook)
             rows[start:start + count] = self._all_logits(variant, count, hook)
         return rows
-
-    @property
-    def any_rows(self) -> bool:
-        """Whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S
-        symbolic; manifest format 9), so no row is padding and the head runs on exactly those n rows."""
-        return self.stacked and all(self.manifest.graph(r, 1).paired for r in ("stack", "head"))
 
     def few_rows(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`forward_rows` for a few tokens (a speculative verification: the last token + k drafts): logits
