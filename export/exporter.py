@@ -26,7 +26,7 @@ from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
-from edgellm.runtime.graphio import dims_from_config
+from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import TOKENIZER_FILES, tokenizer_kind
@@ -92,7 +92,9 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
-    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk)
+    spare = SPARE_ROWS if options.kv_layout == "inplace" else 0  # fused attention's spare cache row (format 10)
+    dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,
+                            spare)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)

@@ -43,7 +43,7 @@ from onnx import TensorProto, helper
 
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import TensorSpec
+from edgellm.runtime.graphio import SPARE_ROWS, TensorSpec
 
 from .fused_ring import ring_attention
 
@@ -219,8 +219,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv,
                  **partial)[0]
         rope_in, rotary = ["", ""], 0
-    elif cfg.rotary:
-        rope_in, rotary = [b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin)], 1
+    elif cfg.rotary:  # one more (zero) row: GroupQueryAttention's extra row sits at position max_seq at most
+        rope_in = [b.const(p + f"rope.{n}", np.pad(t, ((0, SPARE_ROWS), (0, 0)))) for n, t in (("cos", cos), ("sin", sin))]
+        rotary = 1
     else:  # absolute positions: GroupQueryAttention without rotation or caches
         rope_in, rotary = [], 0
     qkv_in = [q, k, v] if separate else [qkv, "", ""]
@@ -228,9 +229,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         att, new_k, new_v = ring_attention(b, p, q, k, v, past_k, past_v, total_len, h, kv, hd, inputs[3].shape[2],
                                            window, cfg.scale)
     else:
-        att, new_k, new_v = b.op("GroupQueryAttention", [*qkv_in, past_k, past_v, seqlens_k, total_len, *rope_in],
-                                 n_out=3, domain=MS, num_heads=h, kv_num_heads=kv, scale=float(cfg.scale),
-                                 do_rotary=rotary, rotary_interleaved=interleaved)
+        att, new_k, new_v = _attention(b, p, qkv_in, past_k, past_v, seqlens_k, total_len, rope_in, num_heads=h,
+                                       kv_num_heads=kv, scale=float(cfg.scale), do_rotary=rotary,
+                                       rotary_interleaved=interleaved)
     # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
     branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
     o_scale = np.float32(1.0) if cfg.post_norms else branch
@@ -278,6 +279,29 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     proto = helper.make_model(graph, ir_version=10, producer_name="edgellm",
                               opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
     return ir.from_proto(proto), b.weights
+
+
+def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str, seqlens_k: str, total_len: str,
+               rope_in: list[str], **attrs: int | float) -> list[str]:
+    """GroupQueryAttention on the S real rows and one zero row after them: [1, S, *] -> [1, S, H*hd], the cache
+    written in place (the zero row's K/V into the spare row after the real ones, graphio.SPARE_ROWS).
+
+    Why the extra row: onnxruntime's CPU kernel computes a lone row (S = 1) in another summation order than the
+    same row among several (S >= 2 rows are computed alike: measured bitwise, any past length, both thread
+    counts), ~1e-7 in the attention output, which int8 activation rounding can turn into another greedy token.
+    With the extra row every call has S >= 2, so a decode step's row equals that row of a speculative
+    verification over k + 1 rows, bit for bit (runtime/speculative.py; tests/test_speculative.py). The
+    extra row costs one more query row of attention, not a matmul row. `qkv_in`: [qkv, "", ""] packed or
+    [q, k, v]."""
+    pads = b.const(p + "attn.extra_row", np.array([0, 0, 0, 0, 1, 0], np.int64))  # [1, S, W] -> [1, S + 1, W]
+    padded = [b.op("Pad", [x, pads])[0] for x in qkv_in if x]
+    one = b.const(p + "attn.one", np.array(1, np.int32))
+    lengths = [b.op("Add", [seqlens_k, one])[0], b.op("Add", [total_len, one])[0]]
+    att, new_k, new_v = b.op("GroupQueryAttention", [*padded, *([""] * (3 - len(padded))), past_k, past_v,
+                                                     *lengths, *rope_in], n_out=3, domain=MS, **attrs)
+    # drop the extra row: [1, S + 1, H*hd] -> [1, S, H*hd] (ends -1: S-free, so both variants pair)
+    ends = [b.const(p + "attn.rows." + n, np.array([v], np.int64)) for n, v in (("start", 0), ("end", -1), ("axis", 1))]
+    return [b.op("Slice", [att, *ends])[0], new_k, new_v]
 
 
 def _first_norm(b: _Builder, x: str, norm: torch.nn.Module, name: str, cfg: ModelConfig) -> str:

@@ -99,7 +99,7 @@ class Generator:
         self.directory, self.manifest, self.tokenizer = Path(directory), manifest, tokenizer
         self.chat_template = chat_template
         m = manifest
-        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.rows)
+        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.all_rows)
         self.clock = RunClock()
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id

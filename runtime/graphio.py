@@ -39,20 +39,32 @@ class Dims:
     # absolute position embeddings (GPT-2, config pos_embedding learned|sinusoidal, format 8): the embedding reads
     # `positions` [1, S] too (the embed, stack and model graphs), gathering rows of its position table
     embed_positions: bool = False
-    rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq for every layer
+    rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq + spare for every layer
+    spare: int = 0  # SPARE_ROWS for "inplace" exports of format 10+, else 0
 
     def layer_rows(self, layer: int) -> int:
-        """Rows of `layer`'s cache: max_seq, or fewer for a sliding-window layer (a ring, runtime/kvcache.py)."""
-        return self.rows[layer] if self.rows else self.max_seq
+        """Rows of `layer`'s cache: max_seq (+ the spare row of fused attention), or fewer for a sliding-window
+        layer (a ring, runtime/kvcache.py)."""
+        return self.rows[layer] if self.rows else self.max_seq + self.spare
+
+    @property
+    def all_rows(self) -> tuple[int, ...]:
+        """`layer_rows` of every layer: the shapes a KVCache allocates."""
+        return tuple(self.layer_rows(i) for i in range(self.n_layers))
 
 
 KVLayout = Literal["rows", "inplace"]  # manifest `kv_layout` (docs/design.md, "The KV cache")
 KV_LAYOUTS: tuple[KVLayout, ...] = get_args(KVLayout)
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
 
+# The fused layers (kv_layout "inplace", manifest format 10+) run GroupQueryAttention on S + 1 rows: the S real
+# ones and a zero row after them, whose K/V land in the row after the real ones (export/fused.py says why). So a
+# full-attention cache holds max_seq + SPARE_ROWS rows; the spare row is never attended by a real row.
+SPARE_ROWS = 1
 
-def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
-    """Rows of each layer's cache: max_seq, or min(sliding_window + extra, max_seq) for a layer whose
+
+def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0) -> tuple[int, ...]:
+    """Rows of each layer's cache: max_seq + `spare`, or min(sliding_window + extra, max_seq) for a layer whose
     `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
     ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
     layers write the chunk's rows before reading the ring (export/fused_ring.py). Configs without the keys
@@ -65,11 +77,11 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0) -> tuple[int, ...]:
          f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
     need("sliding" not in types or (is_int(window) and window > 0),
          "config.sliding_window: expected a positive integer for sliding layers")
-    return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq for t in types)
+    return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq + spare for t in types)
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
-                     prefill_chunk: int = 1) -> Dims:
+                     prefill_chunk: int = 1, spare: int = 0) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -91,9 +103,9 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", k
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
     pos = config.get("pos_embedding", "rope")
     need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
-    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0)
+    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
-                head_dim, pos != "rope", rows)
+                head_dim, pos != "rope", rows, spare)
 
 
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import EdgeError
+from .graphio import SPARE_ROWS
 
 
 def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
@@ -89,10 +90,11 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_kv_heads: int, max_seq: int, head_dim: int,
                  dtype: np.dtype = np.float32, rows: tuple[int, ...] = ()) -> None:
-        """`rows`: each layer's cache rows (graphio.cache_rows; () = max_seq each); fewer than max_seq is a ring."""
+        """`rows`: each layer's cache rows (graphio `Dims.all_rows`; () = max_seq each); fewer than max_seq is a
+        ring, max_seq + SPARE_ROWS a fused-attention cache with its spare row (graphio.py)."""
         rows = tuple(rows) or (max_seq,) * n_layers
-        if len(rows) != n_layers or not all(0 < r <= max_seq for r in rows):
-            raise EdgeError(f"KV cache rows {rows}: expected {n_layers} entries in 1..{max_seq}")
+        if len(rows) != n_layers or not all(0 < r <= max_seq + SPARE_ROWS for r in rows):
+            raise EdgeError(f"KV cache rows {rows}: expected {n_layers} entries in 1..{max_seq + SPARE_ROWS}")
         # zeros, not empty: unfilled rows are masked out, but must never hold NaN/Inf (0 * NaN = NaN).
         self.keys = [np.zeros((1, n_kv_heads, r, head_dim), dtype) for r in rows]
         self.values = [np.zeros((1, n_kv_heads, r, head_dim), dtype) for r in rows]

@@ -17,6 +17,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
   9  the head may be paired (`head.onnx`, both variants, S symbolic; export writes it with the stack): one
      session serves S = 1 and any other row count, e.g. the k + 1 rows of a speculative verification
      (runtime/speculative.py). Version 8 has unpaired heads only.
+ 10  kv_layout "inplace": every full-attention cache holds max_seq + 1 rows (graphio.SPARE_ROWS): the fused
+     layers run GroupQueryAttention on S + 1 rows, the last a zero row whose K/V go to the row after the real
+     ones, so a decode step computes its row exactly as a k + 1 row verification does (export/fused.py). Versions
+     8-9 have max_seq rows and no such row (Manifest.format_version keeps which).
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -33,15 +37,15 @@ from typing import Literal
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, check_io, dims_from_config
+from .graphio import KV_LAYOUTS, SPARE_ROWS, Dims, KVLayout, TensorSpec, check_io, dims_from_config
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
 from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 9
-READS = (8, 9)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 10
+READS = (8, 9, 10)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
@@ -91,6 +95,7 @@ class Manifest:
     verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| / max(1, |ref|) vs PyTorch
     kv_head_dim: int | None = None               # cache row width if heads are zero-padded (format 7), else null
     kv_cache_rows: tuple[int, ...] | None = None  # each layer's cache rows when some are rings (format 8), else null
+    format_version: int = FORMAT_VERSION  # what the graphs were written as (< 10: no spare cache row)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,7 +103,9 @@ class Manifest:
     @cached_property
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
-        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk)
+        spare = SPARE_ROWS if self.kv_layout == "inplace" and self.format_version >= 10 else 0
+        return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk,
+                                spare)
 
     @property
     def n_layers(self) -> int:
@@ -151,6 +158,7 @@ class Manifest:
         need(self.kv_head_dim is None or self.kv_layout == "inplace",
              f"kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only, got {self.kv_layout!r}")
         need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
+        need(self.format_version in READS, f"format_version: expected one of {READS}, got {self.format_version!r}")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None
         need(self.kv_cache_rows == rows, f"kv_cache_rows: expected {list(rows) if rows else None} (the config's "
                                          f"sliding-window layers at max_seq {self.max_seq}), got "
@@ -207,7 +215,7 @@ class Manifest:
                  f"tokenizer: expected keys {', '.join(map(repr, TOKENIZER_KEYS))}")
             file, template = self.tokenizer["file"], self.tokenizer["chat_template"]
             need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
-            need(self.tokenizer["kind"] in TOKENIZER_FILES,
+            need(isinstance(self.tokenizer["kind"], str) and self.tokenizer["kind"] in TOKENIZER_FILES,
                  f"tokenizer.kind: expected one of {', '.join(TOKENIZER_FILES)}, got {self.tokenizer['kind']!r:.40}")
             need(template is None or (isinstance(template, str) and template in self.files),
                  f"tokenizer.chat_template: {template!r} is not listed in files")
@@ -230,7 +238,8 @@ class Manifest:
             need(diff >= 0, f"verification[{name!r}]: expected a max |diff| >= 0, got {diff}")
 
     def to_json(self) -> str:
-        doc = {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self)}  # fields in design.md order
+        fields = asdict(self)  # in design.md order
+        doc = {"format": FORMAT, "format_version": fields.pop("format_version"), **fields}
         try:
             text = json.dumps(doc, indent=2, allow_nan=False)
         except (TypeError, ValueError) as err:
@@ -315,16 +324,16 @@ def _parse(doc: object) -> Manifest:
     version = doc.get("format_version")
     need(is_int(version), f"format_version: expected an integer, got {version!r}")
     need(version <= max(READS), f"format_version {version} is not supported (this edgellm reads "
-                                f"{'-'.join(map(str, READS))}; update edgellm)")
+                                f"{READS[0]}-{READS[-1]}; update edgellm)")
     need(version in READS, f"format {version} was written by an older edgellm; re-export with this version "
-                           f"(reads {'-'.join(map(str, READS))})")
+                           f"(reads {READS[0]}-{READS[-1]})")
     if version == 8 and isinstance(doc.get("graphs"), list):
         need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
              "graphs: a paired head needs format_version 9, this manifest says 8")
     d = checked(doc, _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
-    fields = {k: v for k, v in d.items() if k not in ("format", "format_version")}
+    fields = {k: v for k, v in d.items() if k != "format"}
     fields["eos_ids"] = tuple(d["eos_ids"])
     if d["kv_cache_rows"] is not None:
         need(all(is_int(r) for r in d["kv_cache_rows"]), "kv_cache_rows: expected a list of integers or null")

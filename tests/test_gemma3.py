@@ -17,6 +17,7 @@ from edgellm.quant.export_dir import quantize_export
 from edgellm.quant.options import QuantizeOptions
 from edgellm.runtime import Generator
 from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.graphio import SPARE_ROWS
 from edgellm.runtime.manifest import read_manifest
 from tests.export_helpers import engine_greedy
 
@@ -106,11 +107,12 @@ def prompt_ids() -> list[int]:
     ("layer", "fused"), ("layer", "standard"), pytest.param("model", "standard", marks=pytest.mark.slow)])
 def test_export_greedy_matches_transformers_past_the_window(tmp_path, granularity, attention):
     """Sliding layers keep rings: window rows (traced layers: the runtime writes after the graph read), or window
-    + prefill_chunk - 1 (fused layers write the chunk in place before reading); the full layer max_seq rows."""
+    + prefill_chunk - 1 (fused layers write the chunk in place before reading); the full layer max_seq rows (+ 1: fused attention's extra row)."""
     hf, out, log = export(tmp_path, granularity, attention)
     m = read_manifest(out)
     ring = WINDOW + (OPTIONS["prefill_chunk"] - 1 if attention == "fused" else 0)
-    assert m.kv_cache_rows == (ring, ring, 64, ring)
+    full = 64 + (SPARE_ROWS if attention == "fused" else 0)  # fused attention's extra row (graphio.SPARE_ROWS)
+    assert m.kv_cache_rows == (ring, ring, full, ring)
     assert m.kv_layout == ("inplace" if attention == "fused" else "rows") and m.has_stack == (attention == "fused")
     assert ("ring cache" in m.export_options["attention_impl"]) == (attention == "fused")
     layer0 = next(g for g in m.graphs if g.name == ("layer_0.decode" if granularity == "layer" else "model.decode"))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import describe_files, safe_join
-from edgellm.runtime.graphio import dims_from_config, graph_io, graph_paths
+from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config, graph_io, graph_paths
 from edgellm.runtime.manifest import FORMAT_VERSION, MANIFEST, GraphSpec, Manifest, read_manifest
 
 CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim": 16, "vocab_size": 32,
@@ -21,10 +21,11 @@ CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim":
 
 
 def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, kv_layout: str = "rows",
-                kv_head_dim: int | None = None, config: dict = CONFIG) -> Manifest:
+                kv_head_dim: int | None = None, config: dict = CONFIG, version: int = FORMAT_VERSION) -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    dims = dims_from_config(config, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim)
+    spare = SPARE_ROWS if kv_layout == "inplace" and version >= 10 else 0
+    dims = dims_from_config(config, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim, spare=spare)
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
@@ -43,7 +44,7 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
         tokenizer={"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}, bos_id=1, eos_id=2, eos_ids=(2, 5),
         sampler={"temperature": 0.8, "top_p": 0.95}, quantization=None, export_options={"dynamo": False},
         verification={g.name: 1e-6 for g in graphs}, kv_head_dim=kv_head_dim,
-        kv_cache_rows=dims.rows if any(r != 16 for r in dims.rows) else None,
+        kv_cache_rows=dims.rows if any(r != 16 for r in dims.rows) else None, format_version=version,
     )
     manifest.write(root)
     return manifest
@@ -71,9 +72,10 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 9
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 10
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
-    assert '"shape": [1, 2, 16, 4]' in text  # shapes on one line
+    rows = 16 + (SPARE_ROWS if layout == "inplace" else 0)
+    assert f'"shape": [1, 2, {rows}, 4]' in text  # shapes on one line
     assert (got.n_layers, got.n_kv_heads, got.head_dim, got.dim, got.vocab_size) == (2, 2, 4, 16, 32)
     if granularity == "layer":
         g = got.graph("layer", 1, layer=1)
@@ -81,8 +83,8 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
         positions = ["positions", "past_len"] if layout == "rows" else ["seqlens_k", "total_len"]
         assert [t.name for t in g.inputs] == ["hidden", *positions, "past_key.1", "past_value.1"]
         assert [t.name for t in g.outputs] == ["hidden_out", "present_key.1", "present_value.1"]
-        rows = 1 if layout == "rows" else 16  # inplace: present_* is the whole cache
-        assert g.outputs[1].shape == (1, 2, rows, 4)
+        present = 1 if layout == "rows" else rows  # inplace: present_* is the whole cache
+        assert g.outputs[1].shape == (1, 2, present, 4)
     else:
         g = got.graph("model", chunk)
         assert g.inputs[3].shape == (1, 2, 16, 4) and g.outputs[0].shape == (1, chunk, 32)
@@ -120,7 +122,7 @@ def test_paired_graphs(tmp_path: Path) -> None:
 
 def add_stack(doc: dict, variants: tuple[int, ...] = (4, 1), file: str = "stack.onnx") -> None:
     """Edit a manifest to add the stack graph's variants (by S), paired in `file` (listed in files)."""
-    dims = dims_from_config(CONFIG, max_seq=16, kv_layout="inplace")
+    dims = dims_from_config(CONFIG, max_seq=16, kv_layout="inplace", spare=SPARE_ROWS)
     for seq in variants:
         inputs, outputs = graph_io("stack", seq, None, dims)
         tensor = lambda t: {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}  # noqa: E731
@@ -164,8 +166,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=10, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 10 is not supported \(this edgellm reads 8-9; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=11, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 11 is not supported \(this edgellm reads 8-10; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

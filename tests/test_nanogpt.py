@@ -34,7 +34,7 @@ STEPS = 12
 def engine_greedy(directory: Path, prompt: list[int], steps: int, stack: bool = True) -> list[int]:
     """The runtime Engine: the prompt in prefill chunks, then `steps` greedy decode steps."""
     m = read_manifest(directory)
-    cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim)
+    cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, rows=m.dims.all_rows)
     engine = Engine(directory, m, cache, SessionConfig(stack=stack), RunClock())
     assert engine.stacked == (stack and m.has_stack)
     out = [int(np.argmax(engine.forward(prompt)))]

@@ -73,6 +73,27 @@ def test_greedy_speculation_gives_the_plain_tokens(case, tmp_path: Path) -> None
     assert cont == cont_plain
 
 
+@pytest.mark.parametrize("bits", [None, 4], ids=["fp32", "int4"])
+def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: Path, bits: int | None) -> None:
+    """Why greedy speculation can be exact, not merely close: each row of a k + 1 row verification is computed
+    bit for bit as the decode step of that token computes it (fused attention always runs >= 2 rows,
+    export/fused.py), in fp32 and through int4 kernels with int8 activations alike."""
+    from edgellm.runtime.engine import Engine
+    from edgellm.runtime.manifest import read_manifest
+    from tests.quant_helpers import quantize
+
+    out = llama if bits is None else quantize(llama, tmp_path / "int4", bits=4, method="rtn")
+    engine = Engine.open(out, read_manifest(out))
+    logits, fed, steps = engine.forward(PROMPT).copy(), [], []
+    for _ in range(24):  # plain greedy decoding, one S = 1 step per token
+        fed.append(int(logits.argmax()))
+        logits = engine.forward(fed[-1:]).copy()
+        steps.append(logits)
+    engine.cache.rewind(len(PROMPT))
+    rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
+    assert engine.any_rows and np.array_equal(rows, np.stack(steps))
+
+
 def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     gen = Generator.open(llama)
     plain, _ = greedy_ids(gen, "off")

@@ -130,7 +130,7 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
     rows = []
     for stack in (True, False):
         cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim,
-                        rows=manifest.dims.rows)
+                        rows=manifest.dims.all_rows)
         engine = Engine(Path(directory), manifest, cache, SessionConfig(stack=stack), RunClock())
         need(engine.stacked == stack, "internal: the stack check needs an export with a stack graph")
         rows.append(np.stack([engine.forward(list(tokens[:n])).copy()] +
