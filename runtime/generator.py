@@ -21,9 +21,10 @@ context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messa
 with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
 Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculative.py) changes how the tokens
-are computed, not which: greedy picks plain decoding's tokens (up to float rounding), sampling keeps the
-distribution, and `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run`
-turns lookup on for float exports: `--speculative auto`).
+are computed, not which: greedy picks plain decoding's tokens (bit for bit on exports whose verification rows are
+decode steps, `Engine.exact_rows`: fused layers, format 10), sampling keeps the distribution, and
+`Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run` turns lookup on
+where `exact_rows` holds: `--speculative auto`).
 
 Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
 `ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are

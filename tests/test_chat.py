@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from edgellm.cli import main
 from edgellm.loaders import load_checkpoint
 from edgellm.runtime import Generator
+from edgellm.runtime.manifest import FORMAT_VERSION
 from edgellm.runtime.chat import ChatTemplate
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.sampling import SamplingParams, StopParams
@@ -139,7 +140,7 @@ def test_export_ships_template_and_eos_ids(hf_export, capsys):
     assert main(["info", str(hf_export)]) == 0
     assert "eos 2, 0; chat template chat_template.jinja (run --chat)" in capsys.readouterr().out
     doc = manifest_json(hf_export)
-    assert doc["format_version"] == 9 and (doc["eos_id"], doc["eos_ids"]) == (2, [2, 0])
+    assert doc["format_version"] == FORMAT_VERSION and (doc["eos_id"], doc["eos_ids"]) == (2, [2, 0])
     assert doc["tokenizer"] == {"file": "tokenizer.json", "kind": "hf", "chat_template": "chat_template.jinja",
                                 "add_bos": False}  # a Qwen-style tokenizer.json: no post-processor, no BOS
     assert (hf_export / "chat_template.jinja").read_text() == CHATML

@@ -193,7 +193,8 @@ def test_cli_flags(llama: Path, capsys) -> None:
     assert main(["bench", str(llama), "--speculative", "lookup", "--runs", "1", "--new-tokens", "4", "--contexts", "8",
                  "--max-other-load", "100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["context"] == 8
-    # auto (the default): lookup on this float export, off on a quantized one (int8 activations: see --help)
+    # auto (the default): lookup where verification rows are bit for bit decode steps (fused layers + stack: this
+    # float export and its int8 quantization), off elsewhere (layers of standard ops)
     assert main(base) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["speculative"]["mode"] == "lookup"
     q8 = llama.parent / "q8"
@@ -201,6 +202,10 @@ def test_cli_flags(llama: Path, capsys) -> None:
         assert main(["quantize", str(llama), "-o", str(q8), "--bits", "8", "--no-check", "--no-progress"]) == 0
     capsys.readouterr()
     assert main(["run", str(q8)] + base[2:]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["stats"]["speculative"]["mode"] == "lookup" and doc["token_ids"] != []
+    standard = export(llama.parent, "llama2", "layer", "standard")
+    assert main(["run", str(standard)] + base[2:]) == 0
     assert "speculative" not in json.loads(capsys.readouterr().out)["stats"]
     for extra, message in ((["--speculative", "draft"], "--speculative draft: needs --draft DIR"),
                            (["--draft", str(llama)], "--draft: needs --speculative draft"),

@@ -67,9 +67,9 @@ def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> 
     p.add_argument("--speculative", choices=("auto", "off", "lookup", "draft"), default=default,
                    help="speculative decoding, faster where the answer repeats its context: lookup drafts from the "
                         "context (prompt lookup), draft runs --draft DIR as the drafter; adaptive, so text that "
-                        "repeats nothing decodes at plain speed. auto: lookup on float exports (the same tokens as "
-                        "plain decoding, measured), off on quantized ones, whose int8 activations can turn "
-                        "attention's different summation order over k + 1 rows into another token at a near-tie "
+                        "repeats nothing decodes at plain speed. auto: lookup where a verification computes every "
+                        "row bit for bit as a decode step does (fused layers with the stack, the default export "
+                        "layout, fp32 and quantized alike: greedy gives plain decoding's tokens), else off "
                         "(default " + default + ")")
     p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
                                                                "same tokenizer")
@@ -81,7 +81,7 @@ def speculate(gen, args: argparse.Namespace, config) -> None:
     """Apply --speculative / --draft / --draft-tokens to an opened Generator."""
     mode = args.speculative
     if mode == "auto":
-        mode = "off" if gen.manifest.quantization else "lookup"
+        mode = "lookup" if gen.engine.exact_rows else "off"
     gen.speculate(mode, args.draft, args.draft_tokens, config)
 
 
