@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from edgellm.cli import main
 from edgellm.loaders import load_checkpoint
 from edgellm.runtime import Generator
-from edgellm.runtime.manifest import FORMAT_VERSION
 from edgellm.runtime.chat import ChatTemplate
 from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.manifest import FORMAT_VERSION
 from edgellm.runtime.sampling import SamplingParams, StopParams
 from edgellm.runtime.tokenizer import HFTokenizer
 from tests.runtime_fixtures import bigram_export, manifest_json
