@@ -126,7 +126,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
     if missing:
-        raise EdgeError(f"--keep {missing[0]!r}: matches no weight (module paths look like "
+        raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0

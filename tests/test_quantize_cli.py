@@ -311,6 +311,30 @@ def test_cli_defaults_per_bits() -> None:
     assert (o8.method, o8.head, o8.int8_fraction, o8.group, o8.fp16_scales) == ("rtn", "int8", 0.0, 32, True)
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
+    assert (o4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \
+        ((), (("layers.*.attn.o", 64), ("lm_head", 0)))
+
+
+def test_group_sets_the_block_size_of_the_matching_matmul_weights(tied, tmp_path) -> None:
+    """--group PATTERN=N: first match wins, whatever rule chose the bits (int4 linears, the int8 lm_head); a row
+    lookup (the tied table's Gather) keeps its own layout; the manifest records the block sizes."""
+    from edgellm.quant.options import QuantizeOptions
+    from edgellm.quant.plan import WeightSite
+
+    options = QuantizeOptions(bits=4, lm_head="int8", groups=(("layers.*.mlp.*", 64), ("layers.0.*", 128),
+                                                               ("lm_head", 16)))
+    choose = options.chooser(2)
+
+    def block(name: str, op: str = "MatMul") -> int:
+        return choose(WeightSite(name, op, "", name.removesuffix(".weight"), (64, 64))).scheme.block_size
+    assert [block("layers.0.mlp.down.weight"), block("layers.0.attn.o.weight"), block("layers.1.attn.o.weight"),
+            block("embed.weight"), block("embed.weight", "Gather")] == [64, 128, 32, 16, 0]
+    assert choose(WeightSite("layers.1.mlp.up.weight", "MatMul", "", "layers.1.mlp.up", (64, 64))).scheme.bits == 4
+    _, src = tied
+    out = quantize(src, tmp_path / "q", bits=8, groups=(("layers.*.mlp.down", 64),))
+    w = read_manifest(out).quantization["weights"]
+    assert (w["layers.1.mlp.down.weight"]["block_size"], w["layers.1.mlp.gate_up.weight"]["block_size"]) == (64, 32)
+    assert read_manifest(out).quantization["options"]["groups"] == [["layers.*.mlp.down", 64]]
 
 
 def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None:
@@ -340,6 +364,9 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--accuracy-level", "2"], "--accuracy-level"),
     (["--bits", "4", "--int8-layers", "0,,1"], "--int8-layers: expected comma-separated integers, got '0,,1'"),
     (["--bits", "4", "--kl-budget", "low"], "--kl-budget: expected a number, got 'low'"),
+    (["--bits", "4", "--group", "layers.*=48"], "--group layers.*=48: expected a block size"),
+    (["--bits", "4", "--group", "layers.*"], "--group: expected PATTERN=N"),
+    (["--bits", "4", "--group", "layer.*.mlp.down=64"], "--group layer.*.mlp.down=64: matches no weight"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:
     _, src = untied
