@@ -315,28 +315,6 @@ def test_cli_defaults_per_bits() -> None:
         ((), (("layers.*.attn.o", 64), ("lm_head", 0)))
 
 
-def test_group_sets_the_block_size_of_the_matching_matmul_weights(tied, tmp_path) -> None:
-    """--group PATTERN=N: first match wins, whatever rule chose the bits (int4 linears, the int8 lm_head); a row
-    lookup (the tied table's Gather) keeps its own layout; the manifest records the block sizes."""
-    from edgellm.quant.options import QuantizeOptions
-    from edgellm.quant.plan import WeightSite
-
-    options = QuantizeOptions(bits=4, lm_head="int8", groups=(("layers.*.mlp.*", 64), ("layers.0.*", 128),
-                                                               ("lm_head", 16)))
-    choose = options.chooser(2)
-
-    def block(name: str, op: str = "MatMul") -> int:
-        return choose(WeightSite(name, op, "", name.removesuffix(".weight"), (64, 64))).scheme.block_size
-    assert [block("layers.0.mlp.down.weight"), block("layers.0.attn.o.weight"), block("layers.1.attn.o.weight"),
-            block("embed.weight"), block("embed.weight", "Gather")] == [64, 128, 32, 16, 0]
-    assert choose(WeightSite("layers.1.mlp.up.weight", "MatMul", "", "layers.1.mlp.up", (64, 64))).scheme.bits == 4
-    _, src = tied
-    out = quantize(src, tmp_path / "q", bits=8, groups=(("layers.*.mlp.down", 64),))
-    w = read_manifest(out).quantization["weights"]
-    assert (w["layers.1.mlp.down.weight"]["block_size"], w["layers.1.mlp.gate_up.weight"]["block_size"]) == (64, 32)
-    assert read_manifest(out).quantization["options"]["groups"] == [["layers.*.mlp.down", 64]]
-
-
 def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None:
     _, src = untied
     code, out, _ = cli([src, "-o", tmp_path / "q", "--bits", "4", "--int8-layers", "0", "--lm-head", "fp32",
