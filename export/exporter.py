@@ -29,7 +29,7 @@ from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
 from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
-from edgellm.runtime.tokenizer import TOKENIZER_FILES, tokenizer_kind
+from edgellm.runtime.tokenizer import TOKENIZER_FILES, copy_tokenizer, tokenizer_kind
 
 from .bos_rule import add_bos_rule, rule_notes
 from .e2e import check_end_to_end
@@ -46,7 +46,7 @@ from .tokenizer_files import (
     find_chat_template,
     read_chat_template,
 )
-from .unit import export_unit, variant_seqs
+from .unit import export_unit, variant_seqs, write_rope_tables
 
 SAMPLER_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.0)
 
@@ -101,6 +101,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     release_memory()
     units = plan_units(model, options.granularity, options.kv_layout)
     seqs = variant_seqs(options)
+    rope = None
+    if options.kv_layout == "inplace":  # fused layers: their RoPE tables written once (rewritten on a resume:
+        with parts.holding(("rotary.", "rotary_local.")):  # the same bytes keep the recorded layers valid)
+            # max_seq + spare positions: GroupQueryAttention's extra zero row sits at position max_seq at most
+            rope = write_rope_tables(model, partial, options.max_seq + spare)
     records: dict[str, UnitRecord] = {}
     with torch.no_grad(), tqdm(total=len(units) * len(seqs), desc="export", unit="graph", file=sys.stderr,
                                disable=not progress, leave=False) as bar:
@@ -116,7 +121,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                 journal.forget(unit.stem)
                 known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
                 with parts.holding(unit.weight_prefixes):
-                    rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1))
+                    rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1), rope)
                 release_memory()  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
@@ -127,7 +132,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     if tokenizer is not None:
         kind = tokenizer_kind(tokenizer)
         rel = TOKENIZER_FILES[kind]
-        shutil.copyfile(tokenizer, partial / rel)
+        copy_tokenizer(tokenizer, partial / rel, kind)  # a tokenizer.json minified
         if template is not None:
             (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
         files |= describe_files(partial, [rel] + ([CHAT_TEMPLATE] if template is not None else []))

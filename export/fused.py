@@ -43,7 +43,7 @@ from onnx import TensorProto, helper
 
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import SPARE_ROWS, TensorSpec
+from edgellm.runtime.graphio import TensorSpec
 
 from .fused_ring import ring_attention
 
@@ -90,23 +90,27 @@ def _rms_norm(b: _Builder, x: str, weight: str, eps: float, clamp: bool) -> str:
     return b.op("Mul", [b.op("Div", [x, rms])[0], weight])[0]
 
 
-def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.ndarray | None, ...]:
-    """(cos, sin, q_scale, k_scale), each [max_seq, hd/2] per frequency (scales None without XPos). Computed
-    once per layer for both variants: two torch calls on the same positions are not always bit-identical
-    (Qwen2.5-0.5B, rope_theta 1e6, 256 positions: rows 128+ differed by up to 1.5e-4 between calls), and the
-    variants must hold the same constants to merge into one graph (pairing.py). `local`: the sliding-window
-    layers' table (Gemma 3)."""
+def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.ndarray, ...]:
+    """The RoPE tables a fused layer reads, each [max_seq, hd/2] per frequency (the exporter asks for one more
+    position: attention's extra row, graphio.SPARE_ROWS): () without RoPE, (cos, sin), or
+    with XPos (q_cos, q_sin, k_cos, k_sin), the per-frequency scales folded in (they commute with the rotation).
+    Computed once per export and handed to every layer and variant: two torch calls on the same positions are
+    not always bit-identical (Qwen2.5-0.5B, rope_theta 1e6, 256 positions: rows 128+ differed by up to 1.5e-4
+    between calls), the variants must hold the same constants to merge into one graph (pairing.py), and equal
+    bytes are stored once (rope.data, export/unit.py). `local`: the sliding-window layers' table (Gemma 3)."""
     cfg = model.cfg
     if not cfg.rotary:  # absolute positions, added by the embedding: no rotation in the layers
-        return None, None, None, None
+        return ()
     rotary = model.rotary_local if local else model.rotary
     cos, sin, q_scale, k_scale = rotary(torch.arange(max_seq)[None, :])  # [1,1,M,hd], spread per style
-    def per_freq(t: torch.Tensor | None) -> np.ndarray | None:
-        if t is None:
-            return None
+
+    def per_freq(t: torch.Tensor) -> np.ndarray:
         t = t[0, 0]
         return _np(t[:, : cfg.hd // 2] if cfg.rope_style == "half" else t[:, 0::2])
-    return per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
+    if q_scale is None:
+        return per_freq(cos), per_freq(sin)
+    c, s, qs, ks = per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
+    return c * qs, s * qs, c * ks, s * ks
 
 
 # onnxruntime's CPU GroupQueryAttention (1.22 through 1.32, probed: issue 21) takes head sizes that are a multiple
@@ -163,7 +167,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
                 opset: int) -> tuple[ir.Model, set[str]]:
     """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
-    `tables`: `rope_tables(model, max_seq)`, the same arrays for every variant.
+    `tables`: `rope_tables(model, max_seq, local)`, the same arrays for every layer and variant.
 
     `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
@@ -186,7 +190,6 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     if cfg.qkv_biased:
         qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
                                         True)])[0]
-    cos, sin, q_scale, k_scale = tables
     rope_outside = cfg.rotary and (not rope_in_gqa(cfg) or window is not None)  # XPos, a head size GQA's RoPE refuses, a ring
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
     if separate:
@@ -208,20 +211,19 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         start = b.op("Sub", [total_len, b.const(p + "seq", np.array(seq, np.int32))])[0]
         start = b.op("Reshape", [b.op("Cast", [start], to=TensorProto.INT64)[0],
                                  b.const(p + "one", np.array([1], np.int64))])[0]
-        if cfg.xpos:  # scale is per frequency pair, so it commutes with the rotation: fold it into the tables
-            q_tab = (b.const(p + "rope.q_cos", cos * q_scale), b.const(p + "rope.q_sin", sin * q_scale))
-            k_tab = (b.const(p + "rope.k_cos", cos * k_scale), b.const(p + "rope.k_sin", sin * k_scale))
+        if len(tables) == 4:  # XPos: q and k tables, the scales folded in (rope_tables)
+            q_tab = (b.const(p + "rope.q_cos", tables[0]), b.const(p + "rope.q_sin", tables[1]))
+            k_tab = (b.const(p + "rope.k_cos", tables[2]), b.const(p + "rope.k_sin", tables[3]))
         else:  # one table pair for q and k
-            q_tab = k_tab = (b.const(p + "rope.cos", cos), b.const(p + "rope.sin", sin))
+            q_tab = k_tab = (b.const(p + "rope.cos", tables[0]), b.const(p + "rope.sin", tables[1]))
         partial = {"rotary_embedding_dim": hd_real} if hd != hd_real else {}  # padded heads: the real part only
         q = b.op("RotaryEmbedding", [q, start, *q_tab], domain=MS, interleaved=interleaved, num_heads=h,
                  **partial)[0]
         k = b.op("RotaryEmbedding", [k, start, *k_tab], domain=MS, interleaved=interleaved, num_heads=kv,
                  **partial)[0]
         rope_in, rotary = ["", ""], 0
-    elif cfg.rotary:  # one more (zero) row: GroupQueryAttention's extra row sits at position max_seq at most
-        rope_in = [b.const(p + f"rope.{n}", np.pad(t, ((0, SPARE_ROWS), (0, 0)))) for n, t in (("cos", cos), ("sin", sin))]
-        rotary = 1
+    elif cfg.rotary:
+        rope_in, rotary = [b.const(p + "rope.cos", tables[0]), b.const(p + "rope.sin", tables[1])], 1
     else:  # absolute positions: GroupQueryAttention without rotation or caches
         rope_in, rotary = [], 0
     qkv_in = [q, k, v] if separate else [qkv, "", ""]

@@ -3,7 +3,8 @@
 Per unit (head, embed, layer_i | model), both variants: load the graph with its weights, rewrite it
 (`quantize_model`, then the tied embedding lookup), drop what no node reads, and move the big initializers
 into the unit's data file (`DataStore`: content-keyed, so the decode variant and a shared tied table add no
-bytes). `fast` exports of in-place layers then write each layer's two variants as one paired graph
+bytes; rope.data, the layers' one copy of the RoPE tables, is copied as it is and still read there). `fast`
+exports of in-place layers then write each layer's two variants as one paired graph
 (edgellm/layout/pairing.py: one graph, S symbolic; manifest format 5), and the embedding and all layers once more as one
 paired stack graph that reads the same data files (edgellm/layout/stacking.py). The plan's memo quantizes each weight once; it is kept from the head into
 the embedding unit (a tied table) and cleared after, so memory stays at one unit's weights. Then: tokenizer
@@ -29,6 +30,7 @@ from edgellm.layout.stacking import check_stack, write_stack
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
 from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
+from edgellm.runtime.tokenizer import copy_tokenizer
 
 from . import mixed
 from .awq import Migrator
@@ -39,7 +41,7 @@ from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
 from .rewrite import quantize_model
 from .runner import export_logits
-from .storage import DataStore
+from .storage import DataStore, Ref, copy_shared
 from .tied import quantize_tied_gathers
 
 RECORD_VERSION = 1        # of the manifest's `quantization` object
@@ -124,7 +126,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
     if missing:
-        raise EdgeError(f"--keep {missing[0]!r}: matches no weight (module paths look like "
+        raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0
@@ -141,13 +143,17 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
         paired = options.format == "fast" and manifest.kv_layout == "inplace" and manifest.prefill_chunk > 1
-        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired)
+        shared = copy_shared(src, manifest.graphs, tmp)   # rope.data: read by every layer, copied as it is
+        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared)
         names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
-        rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data})
-        if manifest.tokenizer is not None:  # the tokenizer file and its chat template, if any
-            for rel in filter(None, (manifest.tokenizer["file"], manifest.tokenizer["chat_template"])):
-                shutil.copyfile(safe_join(src, rel), tmp / rel)
-                rels.append(rel)
+        rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data}
+                                                                   | {r.file for r in shared.values()})
+        if manifest.tokenizer is not None:  # the tokenizer file (a tokenizer.json minified) and chat template
+            tok, template = manifest.tokenizer["file"], manifest.tokenizer["chat_template"]
+            copy_tokenizer(safe_join(src, tok), tmp / tok, manifest.tokenizer["kind"])
+            if template is not None:
+                shutil.copyfile(safe_join(src, template), tmp / template)
+            rels += [tok] + ([template] if template is not None else [])
         files = describe_files(tmp, rels)
         opset = max(_opset(tmp / g.file) for g in graphs)
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
@@ -184,10 +190,12 @@ def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: 
 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
-                 progress: bool, paired: bool) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
+                 progress: bool, paired: bool,
+                 shared: dict[str, Ref]) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
-    (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time)."""
-    store = DataStore(tmp)
+    (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time). `shared`: tensors
+    already in `tmp`'s copy of rope.data (copy_shared), pointed at there."""
+    store = DataStore(tmp, shared)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
     reports: dict[tuple[str, str], WeightReport] = {}     # (initializer, op) -> first report

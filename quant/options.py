@@ -9,6 +9,8 @@ Which weight gets what (first match wins):
                                  linears' weights, int8: chosen by measured sensitivity (mixed.py)
   4. every other linear          `--bits`, `--group-size`, `--symmetric/--asymmetric`, `--method`
   5. the token embedding         `--embeddings` int8 (per row) | fp32
+Then `--group PATTERN=N` sets the block size of the quantized matmul weights PATTERN matches (first match),
+whatever rule chose their bits: e.g. "layers.*.mlp.gate_up=64" halves those weights' scale bytes.
 Module paths are the state-dict ones of design.md; a tied lm_head (stored as `embed.weight`) answers to
 "lm_head" and the embedding table to "embed". `--method awq`: AWQ's scale migration (awq.py), then the
 `mse` clip search weighted by per-input-channel activation scales, both from calibrate.py. `--method gptq`:
@@ -18,7 +20,7 @@ GPTQ's error-compensating rounding against each linear's calibration Hessian (gp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, get_args
 
 import numpy as np
@@ -41,8 +43,9 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # What `edgellm quantize --bits N` uses for the flags not given (the dataclass defaults below are the plain RTN
 # baseline that the API and tests build on). Chosen on SmolLM2-135M against llama.cpp (docs/quantization.md):
 # --bits 4: AWQ (KL 0.376 -> 0.288 at the same bytes) and the tied table int8 (the largest single error source
-# at int4, as llama.cpp's Q4_0/Q4_K_M keep it Q8_0); `--lm-head int4` is the smaller setting. --int8-fraction
-# stays 0: with AWQ, 0.13 measured worse (KL 0.288 -> 0.321), with RTN 0.25 better (0.376 -> 0.252, +13 MB).
+# at int4, as llama.cpp's Q4_0/Q4_K_M keep it Q8_0); `--group "layers.*.mlp.down=64"` is the smaller setting.
+# --int8-fraction stays 0: with AWQ, 0.13 measured worse (KL 0.288 -> 0.321), with RTN 0.25 better (0.376 ->
+# 0.252, +13 MB).
 CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0},
                                  8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0}}
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
@@ -66,6 +69,7 @@ class QuantizeOptions:
     act_order: bool = False
     int8_fraction: float = 0.0
     fp16_scales: bool = True            # scales rounded to and (fast format) stored as float16
+    groups: tuple[tuple[str, int], ...] = ()  # `--group PATTERN=N`: (pattern, block size) of matmul weights
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -94,6 +98,11 @@ class QuantizeOptions:
         need(not self.act_order or self.method == "gptq", "--act-order: only with --method gptq")
         for pattern in self.keep:
             need(isinstance(pattern, str) and pattern != "", "--keep: expected a non-empty pattern")
+        for rule in self.groups:
+            need(isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and rule[0] != "",
+                 f"--group: expected PATTERN=N, got {rule!r}")
+            need(rule[1] in GROUPS, f"--group {rule[0]}={rule[1]}: expected a block size of "
+                                    f"{', '.join(map(str, GROUPS[1:]))} or 0 (per output channel)")
         if n_layers is not None:
             bad = [i for i in self.int8_layers if not -n_layers <= i < n_layers]
             need(not bad, f"--int8-layers: layer(s) {bad} out of range for a {n_layers}-layer model "
@@ -152,7 +161,12 @@ class QuantizeOptions:
         inner = by_pattern(self.linear_spec(), rules, embed=embed, embed_pattern="embed")
 
         def choose(site: WeightSite) -> QuantSpec | None:
-            return inner(logical_site(site))
+            site = logical_site(site)
+            spec = inner(site)
+            if spec is None or site.op == "Gather":  # a row lookup's table: per row, or the tied lm_head's
+                return spec
+            block = next((n for pattern, n in self.groups if site_matches(site, pattern)), None)
+            return spec if block is None else replace(spec, scheme=replace(spec.scheme, block_size=block))
         return choose
 
     def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,
@@ -170,6 +184,7 @@ class QuantizeOptions:
         d = asdict(self)
         d["group_size"], d["lm_head"] = self.group, self.head
         d["keep"], d["int8_layers"] = list(self.keep), list(self.int8_layers)
+        d["groups"] = [list(rule) for rule in self.groups]
         return d
 
 
@@ -188,5 +203,7 @@ def logical_name(site: WeightSite) -> str:
 
 
 def unmatched_keeps(options: QuantizeOptions, sites: list[WeightSite]) -> list[str]:
-    """`--keep` patterns that matched no weight (almost always a typo)."""
-    return [p for p in options.keep if not any(site_matches(logical_site(s), p) for s in sites)]
+    """`--keep` and `--group` patterns (as flags: "--keep P", "--group P=N") that matched no weight (almost always
+    a typo)."""
+    flags = [(f"--keep {p!r}", p) for p in options.keep] + [(f"--group {p}={n}", p) for p, n in options.groups]
+    return [flag for flag, p in flags if not any(site_matches(logical_site(s), p) for s in sites)]

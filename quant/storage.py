@@ -1,27 +1,37 @@
-"""External data of a quantized export: every tensor written once, page-aligned, keyed by content.
+"""External data of a quantized export: every tensor written once, keyed by content.
 
 The layout rule of design.md holds: the prefill and decode variants of a graph point into ONE data file,
 `<stem>.data`. Their quantized initializers are byte-identical (the plan quantizes each weight once and
 packs it deterministically), so the decode variant finds every tensor already in the file. A unit whose
 big tensors all live in one earlier unit's file points there instead (the tied embedding reading the
 lm_head's int8 table in head.data); if only some do, it gets its own file with copies, since a graph
-names one data file. Offsets are page-aligned so onnxruntime (and the runtime's shared maps) can mmap.
+names one data file. Tensors of 64 KB or more start on a page so onnxruntime (and the runtime's shared
+maps) can mmap them; smaller ones on 64 bytes. Files the source's graphs read besides their own (`data`):
+rope.data, the RoPE tables every fused layer reads, copied as it is and still the one place they live
+(`copy_shared`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 import onnx
 from onnx import TensorProto
 
 from edgellm.runtime.errors import need
+from edgellm.runtime.fileio import safe_join
+from edgellm.runtime.manifest import GraphSpec
+from edgellm.runtime.onnxmeta import read_graph_info
 
 ALIGN = 4096      # as export/datafile.py: page-aligned tensors can be mapped instead of copied
+PAGED = 1 << 16   # as export/datafile.py: tensors of 64 KB or more start on a page, smaller ones (norms,
+SMALL_ALIGN = 64  # scales) on 64 bytes
 THRESHOLD = 1024  # smaller tensors (shape constants, scalars, small zero points) stay inside the .onnx
 
 
@@ -36,11 +46,35 @@ def _big(t: TensorProto) -> bool:
     return t.HasField("raw_data") and len(t.raw_data) >= THRESHOLD
 
 
-class DataStore:
-    """The data files of one output directory; `place` moves a graph's big initializers into them."""
+def copy_shared(src: Path, graphs: Iterable[GraphSpec], out: Path) -> dict[str, Ref]:
+    """Copy the data files `graphs` (of the export `src`) read besides their own `data` into `out`, unchanged;
+    returns content key -> Ref of every tensor read there."""
+    spans: dict[str, set[tuple[int, int]]] = {}  # file -> (offset, length) of the tensors read in it
+    for g in graphs:
+        for t in read_graph_info(safe_join(src, g.file)).external:
+            rel = str(PurePosixPath(g.file).parent / t.location)
+            if rel != g.data:
+                need(t.length >= 0, f"{src / g.file}: {t.name!r} in {rel} has no length")
+                spans.setdefault(rel, set()).add((t.offset, t.length))
+    refs = {}
+    for rel, found in sorted(spans.items()):
+        shutil.copyfile(safe_join(src, rel), out / rel)
+        with open(out / rel, "rb") as f:
+            for offset, length in sorted(found):
+                f.seek(offset)
+                data = f.read(length)
+                need(len(data) == length, f"{src / rel}: ends before the tensor at {offset} (+{length} bytes)")
+                refs[hashlib.sha256(data).hexdigest()] = Ref(rel, offset, length)
+    return refs
 
-    def __init__(self, directory: Path) -> None:
+
+class DataStore:
+    """The data files of one output directory; `place` moves a graph's big initializers into them, pointing at
+    `shared` (copy_shared) for the tensors held there, whatever their size."""
+
+    def __init__(self, directory: Path, shared: dict[str, Ref] | None = None) -> None:
         self.directory = Path(directory)
+        self.shared = dict(shared or {})
         self.where: dict[str, dict[str, Ref]] = {}     # file -> content key -> Ref
         self._ends: dict[str, int] = {}
         self._handles: dict[str, BinaryIO] = {}
@@ -50,7 +84,8 @@ class DataStore:
             self._handles[file] = open(self.directory / file, "wb")  # closed in `close`
             self._ends[file] = 0
         end = self._ends[file]
-        start = -(-end // ALIGN) * ALIGN
+        step = ALIGN if len(data) >= PAGED else SMALL_ALIGN
+        start = -(-end // step) * step
         self._handles[file].write(b"\0" * (start - end))
         self._handles[file].write(data)
         self._ends[file] = start + len(data)
@@ -67,26 +102,37 @@ class DataStore:
     def place(self, model: onnx.ModelProto, own: str) -> str | None:
         """Externalize `model`'s big initializers into `own` (or an earlier file holding all of them);
         returns the data file its graph points into (None when every tensor is small)."""
-        tensors = [t for t in model.graph.initializer if _big(t)]
+        keyed = [(t, hashlib.sha256(t.raw_data).hexdigest()) for t in model.graph.initializer
+                 if t.HasField("raw_data")]
+        for t, key in keyed:
+            if key in self.shared:
+                _refer(t, self.shared[key])
+        tensors = [(t, key) for t, key in keyed if _big(t) and key not in self.shared]
         if not tensors:
             return None
-        keys = [hashlib.sha256(t.raw_data).hexdigest() for t in tensors]
-        holders = [f for f, index in self.where.items() if all(k in index for k in keys)]
+        holders = [f for f, index in self.where.items() if all(k in index for _, k in tensors)]
         target = own if own in holders or not holders else holders[0]
         index = self.where.setdefault(target, {})
-        for t, key in zip(tensors, keys, strict=True):
+        # the paged tensors first, then the small ones packed after them: a page of padding in front of every
+        # big tensor that followed a scale tensor was 0.3 MB of SmolLM2-135M's int8 export
+        for t, key in sorted(tensors, key=lambda tk: len(tk[0].raw_data) < PAGED):
             ref = index.get(key)
             if ref is None:
                 need(target == own, f"{own}: internal error, a tensor missing from borrowed {target}")
                 ref = index[key] = self._write(own, t.raw_data)
-            t.ClearField("raw_data")
-            t.data_location = TensorProto.EXTERNAL
-            del t.external_data[:]
-            for k, v in (("location", ref.file), ("offset", str(ref.offset)), ("length", str(ref.length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+            _refer(t, ref)
         return target
 
     @property
     def files(self) -> list[str]:
         return sorted(self._ends)
+
+
+def _refer(t: TensorProto, ref: Ref) -> None:
+    """Make `t` an external tensor at `ref` (its bytes are there)."""
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    del t.external_data[:]
+    for k, v in (("location", ref.file), ("offset", str(ref.offset)), ("length", str(ref.length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v

@@ -4,8 +4,9 @@ The prefill (S = prefill_chunk) and decode (S = 1) variants of a graph use the s
 onnxruntime cannot share a pre-packed copy between two sessions from Python. So the weights are held once:
 
 - layer granularity: a decode graph is pre-packed (onnxruntime loads its data file itself and drops its
-  map once packed: one private copy), unless one of its data files is also read by a graph of another unit
-  (a tied embedding table: the embed graph gathers from it, so the head reads it in place too). An fp32
+  map once packed: one private copy), unless its own data file (the manifest's `data`) is also read by a graph
+  of another unit (a tied embedding table: the embed graph gathers from it, so the head reads it in place
+  too). rope.data, which every fused layer also reads, holds no weight to pack and does not count. An fp32
   prefill graph reads its weights in place from the shared map, unpacked, and its pages are released right
   after each of its runs (`SharedWeights.release`: madvise DONTNEED, the file stays in the page cache), so RSS
   holds one layer's unpacked weights at a time on top of the packed ones. A quantized prefill graph is
@@ -103,7 +104,7 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
         elif g.seq > 1 and not g.paired:  # a paired prefill variant shares its decode variant's session
             prepack[g.name] = quantized if prepack_prefill is None else prepack_prefill
         elif layered:
-            shared = any(len(readers[rel]) > 1 for rel in files[g.name])
+            shared = g.data is not None and len(readers.get(g.data, ())) > 1
             prepack[g.name] = quantized or not shared
         else:
             prepack[g.name] = quantized

@@ -59,7 +59,8 @@ def test_cli_export_writes_a_complete_manifest(cli_export):
     assert (m.preset, m.granularity, m.max_seq, m.prefill_chunk, m.opset) == ("qwen2", "layer", 64, 8, 20)
     assert m.config == cfg.to_dict() and (m.bos_id, m.eos_id) == (cfg.bos_id, cfg.eos_id)
     assert m.tokenizer == {"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}
-    assert (out / "tokenizer.json").read_bytes() == (root / "tokenizer.json").read_bytes()
+    shipped = (out / "tokenizer.json").read_bytes()  # the same JSON value, minified (runtime.copy_tokenizer)
+    assert json.loads(shipped) == json.loads((root / "tokenizer.json").read_bytes()) and b"\n" not in shipped
     assert m.sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0}
     assert m.quantization is None and m.export_options["prefill_chunk"] == 8
     assert set(m.verification) == {g.name for g in m.graphs if g.role != "stack"} | {"end_to_end", "stack_vs_layers"}
@@ -87,8 +88,10 @@ def test_graph_files_match_the_manifest(cli_export):
     assert [d.dim_param or d.dim_value for d in head.graph.output[0].type.tensor_type.shape.dim] == \
         [1, "S", m.vocab_size] and {loc for loc, _, _ in externals(head).values()} == {m.graph("head", 1).data}
     # the stack (the runtime's path: embedding + every layer in one graph, S symbolic) reads the units' data
+    # and the layers' one copy of the RoPE tables
     stack = load_graph(out / "stack.onnx")
-    assert {loc for loc, _, _ in externals(stack).values()} == {g.data for g in m.graphs if g.role in ("embed", "layer")}
+    assert {loc for loc, _, _ in externals(stack).values()} == \
+        {g.data for g in m.graphs if g.role in ("embed", "layer")} | {"rope.data"}
     assert [v.name for v in stack.graph.input] == [t.name for t in m.graph("stack", 1).inputs]
     types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
     for g in (g for g in m.graphs if g.role not in ("stack", "head")):
@@ -97,7 +100,7 @@ def test_graph_files_match_the_manifest(cli_export):
         for got, want in ((proto.graph.input, g.inputs), (proto.graph.output, g.outputs)):
             assert [(v.name, tuple(d.dim_value for d in v.type.tensor_type.shape.dim), v.type.tensor_type.elem_type)
                     for v in got] == [(t.name, t.shape, types[t.dtype]) for t in want]
-        assert {loc for loc, _, _ in externals(proto).values()} == {g.data}
+        assert {loc for loc, _, _ in externals(proto).values()} == {g.data} | ({"rope.data"} if g.layer is not None else set())
     # both variants of a unit point at the same bytes of one data file
     for stem in stems:
         pre, dec = (externals(load_graph(out / f"{stem}.{v}.onnx")) for v in ("prefill", "decode"))
@@ -131,10 +134,13 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
     assert not (out / "embed.data").exists() and (out / "head.data").stat().st_size < 2 * V * D * 4
     table = np.fromfile(out / "head.data", np.float32, V * D, offset=where[1]).reshape(D, V)
     np.testing.assert_array_equal(table, model.embed.weight.detach().numpy().T)
-    # a data file holds state-dict tensors only; graph constants (RoPE tables, shapes) stay in the .onnx
-    assert set(externals(load_graph(out / "layer_1.prefill.onnx"))) == {
+    # a unit's data file holds state-dict tensors only; small graph constants (shapes) stay in the .onnx, the
+    # RoPE tables are read from the one copy every layer shares (rope.data)
+    ext = externals(load_graph(out / "layer_1.prefill.onnx"))
+    assert {k for k, (file, _, _) in ext.items() if file == "layer_1.data"} == {
         f"layers.1.{n}" for n in ("attn_norm.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.o.weight",
                                   "mlp_norm.weight", "mlp.gate_up.weight", "mlp.down.weight")}
+    assert {k for k, (file, _, _) in ext.items() if file == "rope.data"} == {"layers.1.rope.cos", "layers.1.rope.sin"}
 
 
 @pytest.fixture(scope="module")

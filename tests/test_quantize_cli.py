@@ -186,7 +186,8 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
                            for r in {(t.location, t.offset, t.length) for t in external_tensors(out / h.file)}}
                 assert refs == layered
                 continue
-            assert {loc for loc, _, _ in refs} == {g.data}
+            # a layer also reads the one copy of the RoPE tables, rope.data (copied as it is from the fp32 export)
+            assert {loc for loc, _, _ in refs} == {g.data} | ({"rope.data"} if g.role == "layer" else set())
             by_stem.setdefault(g.name.split(".")[0], []).append(refs)
         assert all(refs[0] == refs[1] for refs in by_stem.values())
         assert m.graph("embed", 1).data == "head.data" and not (out / "embed.data").exists()
@@ -310,6 +311,8 @@ def test_cli_defaults_per_bits() -> None:
     assert (o8.method, o8.head, o8.int8_fraction, o8.group, o8.fp16_scales) == ("rtn", "int8", 0.0, 32, True)
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
+    assert (o4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \
+        ((), (("layers.*.attn.o", 64), ("lm_head", 0)))
 
 
 def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None:
@@ -339,6 +342,9 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--accuracy-level", "2"], "--accuracy-level"),
     (["--bits", "4", "--int8-layers", "0,,1"], "--int8-layers: expected comma-separated integers, got '0,,1'"),
     (["--bits", "4", "--kl-budget", "low"], "--kl-budget: expected a number, got 'low'"),
+    (["--bits", "4", "--group", "layers.*=48"], "--group layers.*=48: expected a block size"),
+    (["--bits", "4", "--group", "layers.*"], "--group: expected PATTERN=N"),
+    (["--bits", "4", "--group", "layer.*.mlp.down=64"], "--group layer.*.mlp.down=64: matches no weight"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:
     _, src = untied

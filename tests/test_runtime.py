@@ -220,11 +220,11 @@ def test_weights_are_held_once(llama):
         if g.role != "stack":
             # untied: nothing else reads the decode weights; a paired graph (the head, format 9) is one session
             assert where[g.name].prepack == (g.seq == 1 or g.paired), g.name
-        if g.seq > 1 and g.role == "layer":
-            assert where[g.name].release == (g.data,)
+        if g.seq > 1 and g.role == "layer":  # its weights and the layers' one copy of the RoPE tables
+            assert where[g.name].release == (g.data, "rope.data")
     weights = layered.engine.weights
     assert sorted(weights._maps) == sorted({g.data for g in gen.manifest.graphs if g.seq > 1 and g.role == "layer"}
-                                           | {"embed.data"})
+                                           | {"embed.data", "rope.data"})
     for engine in (layered.engine, gen.engine):
         for value in engine.weights._values.values():
             assert value.numpy().base is not None  # a view, not a copy
@@ -243,7 +243,8 @@ def test_a_tied_table_is_read_in_place_by_embed_and_head(tmp_path_factory):
         where = Generator.open(directory, config=SessionConfig(threads=1, stack=stack)).engine.placement
         assert not where["head.decode"].prepack  # the embedding gathers from the same table
         assert all("head.data" not in p.release + p.tables for p in where.values())  # the head keeps reading it
-    assert where["layer_0.decode"].prepack and where["layer_0.prefill"].release == ("layer_0.data",)
+    # rope.data, read by every layer, holds no weight: the layers still pre-pack their own
+    assert where["layer_0.decode"].prepack and where["layer_0.prefill"].release == ("layer_0.data", "rope.data")
 
 
 def test_graph_info_reader_agrees_with_onnx(llama):

@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
                         "(repeatable)")
+    p.add_argument("--group", type=pattern_size, action="append", default=[], metavar="PATTERN=N",
+                   help='block size N for the matmul weights PATTERN matches (fnmatch on module paths, as --keep), '
+                        'whatever their bits, e.g. "layers.*.mlp.gate_up=64" (repeatable; first match wins)')
     p.add_argument("--int8-layers", type=integers, default=[], metavar="LIST",
                    help="with --bits 4: these layers' linears int8 (groups of 32), e.g. 0,-1 (first and last)")
     p.add_argument("--accuracy-level", type=integer, default=4, metavar="{0,1,4}",
@@ -71,6 +74,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def pattern_size(text: str) -> tuple[str, int]:
+    """argparse `type=` of --group: "PATTERN=N" -> (PATTERN, N)."""
+    pattern, _, size = text.rpartition("=")
+    try:
+        return pattern, int(size)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PATTERN=N (N an integer), got {text!r}") from None
+
+
 def options_from_args(args: argparse.Namespace):
     from edgellm.quant.options import CLI_DEFAULTS, QuantizeOptions
 
@@ -82,7 +94,7 @@ def options_from_args(args: argparse.Namespace):
         embeddings=args.embeddings, lm_head=args.lm_head or default["lm_head"], keep=tuple(args.keep),
         int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
-        int8_fraction=fraction)
+        int8_fraction=fraction, groups=tuple(args.group))
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options
