@@ -33,7 +33,7 @@ from edgellm.runtime.tokenizer import TOKENIZER_FILES, copy_tokenizer, tokenizer
 
 from .bos_rule import add_bos_rule, rule_notes
 from .e2e import check_end_to_end
-from .fused import attention_record, cache_head_dim
+from .fused_heads import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
 from .memory import release_memory

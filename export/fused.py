@@ -45,6 +45,7 @@ from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
 
+from .fused_heads import cache_head_dim, pad_heads, rope_in_gqa
 from .fused_ring import ring_attention
 
 MS = "com.microsoft"
@@ -113,56 +114,6 @@ def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.n
     return c * qs, s * qs, c * ks, s * ks
 
 
-# onnxruntime's CPU GroupQueryAttention (1.22 through 1.32, probed: issue 21) takes head sizes that are a multiple
-# of 8, and with its RoPE inside (do_rotary=1) a multiple of 16; its RotaryEmbedding op takes any even size.
-GQA_HEAD_MULTIPLE = 8
-GQA_ROPE_HEAD_MULTIPLE = 16
-
-
-def cache_head_dim(cfg: ModelConfig) -> int:
-    """The width of a cache row in the fused layers: the head size, or the next multiple of 8 when
-    GroupQueryAttention refuses it (every head zero-padded: q/k/v weights get zero rows, o zero columns, RoPE
-    rotates the first hd entries only; exact, the cache grows by hd_pad / hd). Recorded as kv_head_dim."""
-    return -(-cfg.hd // GQA_HEAD_MULTIPLE) * GQA_HEAD_MULTIPLE
-
-
-def _pad_heads(w: np.ndarray, hd: int, hd_pad: int) -> np.ndarray:
-    """[..., heads * hd] -> [..., heads * hd_pad]: each head's hd entries, then zeros."""
-    if hd_pad == hd:
-        return w
-    heads = w.reshape(*w.shape[:-1], -1, hd)
-    pad = [(0, 0)] * (heads.ndim - 1) + [(0, hd_pad - hd)]
-    return np.pad(heads, pad).reshape(*w.shape[:-1], -1)
-
-
-def rope_in_gqa(cfg: ModelConfig) -> bool:
-    """RoPE inside GroupQueryAttention (its one cos/sin cache): no XPos scales and a head size its RoPE takes;
-    otherwise two RotaryEmbedding ops rotate q and k before it (same tables, same cache layout, 2 more ops)."""
-    return cfg.rotary and not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
-
-
-def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
-    """How the layers attend, for the manifest's export_options and the export table."""
-    if granularity == "model":
-        return "standard ONNX ops (traced model graph)"
-    if attention == "standard":
-        return "standard ONNX ops"
-    if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
-        return ("fused GroupQueryAttention for full layers; sliding-window layers: ring cache written by "
-                "ScatterElements, attention in standard ops")
-    if rope_in_gqa(cfg):
-        return "fused GroupQueryAttention, RoPE inside"
-    hd, pad = cfg.hd, cache_head_dim(cfg)
-    if not cfg.rotary:
-        padded = f", heads zero-padded {hd}->{pad} (kv_head_dim {pad})" if pad != hd else ""
-        return f"fused GroupQueryAttention{padded}, no RoPE ({cfg.pos_embedding} positions added by the embedding)"
-    if pad != hd:
-        return (f"fused GroupQueryAttention, heads zero-padded {hd}->{pad} (kv_head_dim {pad}), RoPE as 2 "
-                "RotaryEmbedding ops before it")
-    why = "XPos scales" if cfg.xpos else f"head_dim {hd} % {GQA_ROPE_HEAD_MULTIPLE} != 0"
-    return f"fused GroupQueryAttention, RoPE as 2 RotaryEmbedding ops before it ({why})"
-
-
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
                 opset: int) -> tuple[ir.Model, set[str]]:
@@ -185,10 +136,10 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
 
     # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
     x = _first_norm(b, hidden, block.attn_norm, p + "attn_norm", cfg)
-    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", _pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
+    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
                                      True)])[0]
     if cfg.qkv_biased:
-        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", _pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
+        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
                                         True)])[0]
     rope_outside = cfg.rotary and (not rope_in_gqa(cfg) or window is not None)  # XPos, a head size GQA's RoPE refuses, a ring
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
@@ -202,7 +153,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
             # padded heads: mean over hd of x^2 = (hd/hd_real) * mean over hd_real, so the same norm is eps scaled
             # by hd_real/hd and weights by sqrt(hd_real/hd) (zeros in the padding, which stays zero)
             shrink = hd_real / hd
-            w = _pad_heads(_np(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
+            w = pad_heads(_np(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
             t = _rms_norm(b, t, b.const(f"{p}attn.{name}_norm.weight", w, True), cfg.norm_eps * shrink, clamp)
             t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
             q, k = (t, k) if name == "q" else (q, t)
@@ -237,7 +188,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
     branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
     o_scale = np.float32(1.0) if cfg.post_norms else branch
-    o = _pad_heads(_np(block.attn.o.weight) * o_scale[..., None], hd_real, hd).T  # [H*hd, D]
+    o = pad_heads(_np(block.attn.o.weight) * o_scale[..., None], hd_real, hd).T  # [H*hd, D]
     a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
     if cfg.post_norms:
         a = _rms_norm(b, a, b.const(p + "attn_post_norm.weight", _np(block.attn_post_norm.weight) * branch, True),
