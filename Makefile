@@ -28,8 +28,9 @@ browser:         ## headless Chromium for the report's browser test (apt-get ins
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: no chromium and not root: tests/test_diff_browser.py will skip (apt-get install -y chromium)"; fi; }
 
+# -n auto: one worker per core, each test file on one worker (its module fixtures built once)
 test: $(STAMP) browser  ## the whole test suite (what CI runs)
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests -n auto --dist loadfile
 
 test-fast: $(STAMP) browser  ## the suite without the slow end-to-end tests
 	$(PYTHON) -m pytest tests -m 'not slow'
