@@ -5,8 +5,10 @@ buffers past the length, never read, overwritten by the next writes). Each verif
 
 Acceptance (row i of the verification = the target's logits after the last token and drafts d_1..d_i):
 - greedy (temperature 0): accept d_1..d_n while each equals row i-1's argmax, then row n's argmax. The tokens
-  are those plain greedy decoding picks, up to float rounding: onnxruntime's attention at S = k + 1 sums in
-  another order than at S = 1 (~1e-7 relative in the hidden state), so a near-tie can break the other way.
+  are those plain greedy decoding picks: where `Engine.exact_rows` holds (fused layers + stack, format 10) each
+  verification row is bit for bit that token's decode step (export/fused.py: attention always runs >= 2 rows),
+  fp32 and quantized alike; elsewhere (standard-op layers) up to float rounding, so a near-tie could break the
+  other way, and the CLI's `auto` leaves speculation off there.
 - sampling: speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023) against p = softmax of
   `sampling.filtered` (the very distribution `sample` draws from, repetition penalty included with the drafts
   as history): accept d with probability min(1, p(d) / q(d)), else draw from norm(max(0, p - q)). The drafters
