@@ -11,7 +11,6 @@ on a page so onnxruntime maps the weights instead of reading them; with prepacki
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-ALIGN = 4096      # page size: onnxruntime maps aligned external tensors instead of copying them
-PAGED = 1 << 16   # tensors of this many bytes or more start on a page (`aligned`)
-SMALL_ALIGN = 64  # smaller ones (norms, scales: copied anyway) on 64 bytes, not padded to a page each
+from edgellm.layout.datalayout import aligned, content_key, paged_first
+
 THRESHOLD = 1 << 16  # graph constants (shapes, masks) below this stay inside the .onnx file; weights never
 
 
@@ -45,7 +43,7 @@ class DataFile:
 
     def put(self, array: np.ndarray) -> Ref:
         data = memoryview(np.ascontiguousarray(array)).cast("B")
-        key = hashlib.sha256(data).hexdigest()
+        key = content_key(data)
         ref = self.index.get(key) or self.known.get(key)
         if ref is None:
             start = aligned(self._end, len(data))
@@ -61,7 +59,7 @@ class DataFile:
         holds (a shared table costs nothing to point at) into data files (the model keeps references): a data
         file holds the state dict, not shape constants."""
         values = list(model.graph.initializers.values())  # the paged ones first: small ones pack after them
-        for value in sorted(values, key=lambda v: v.const_value is None or v.const_value.nbytes < PAGED):
+        for value in sorted(values, key=lambda v: v.const_value is None or paged_first(v.const_value.nbytes)):
             tensor = value.const_value
             if tensor is None:
                 continue
@@ -82,13 +80,7 @@ class DataFile:
             (self.directory / self.name).unlink()
 
 
-def aligned(end: int, length: int) -> int:
-    """Where a tensor of `length` bytes starts in a file of `end` bytes: the next page, or for a small tensor the
-    next 64 bytes."""
-    step = ALIGN if length >= PAGED else SMALL_ALIGN
-    return -(-end // step) * step
-
 
 def _key(array: np.ndarray) -> str:
-    """The content key `put` files a tensor under (sha256 of its bytes)."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+    """The content key `put` files a tensor under."""
+    return content_key(memoryview(np.ascontiguousarray(array)).cast("B"))

@@ -26,8 +26,8 @@ from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
-from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config
-from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest
+from edgellm.runtime.graphio import dims_from_config, spare_rows
+from edgellm.runtime.manifest import FORMAT_VERSION, MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import TOKENIZER_FILES, copy_tokenizer, tokenizer_kind
 
@@ -92,7 +92,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
-    spare = SPARE_ROWS if options.kv_layout == "inplace" else 0  # fused attention's spare cache row (format 10)
+    spare = spare_rows(options.kv_layout, FORMAT_VERSION)  # fused attention's extra cache row (graphio.py)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,
                             spare)
 

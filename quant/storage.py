@@ -13,7 +13,6 @@ rope.data, the RoPE tables every fused layer reads, copied as it is and still th
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Iterable
@@ -24,14 +23,12 @@ from typing import BinaryIO
 import onnx
 from onnx import TensorProto
 
+from edgellm.layout.datalayout import aligned, content_key, paged_first
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.manifest import GraphSpec
 from edgellm.runtime.onnxmeta import read_graph_info
 
-ALIGN = 4096      # as export/datafile.py: page-aligned tensors can be mapped instead of copied
-PAGED = 1 << 16   # as export/datafile.py: tensors of 64 KB or more start on a page, smaller ones (norms,
-SMALL_ALIGN = 64  # scales) on 64 bytes
 THRESHOLD = 1024  # smaller tensors (shape constants, scalars, small zero points) stay inside the .onnx
 
 
@@ -64,7 +61,7 @@ def copy_shared(src: Path, graphs: Iterable[GraphSpec], out: Path) -> dict[str, 
                 f.seek(offset)
                 data = f.read(length)
                 need(len(data) == length, f"{src / rel}: ends before the tensor at {offset} (+{length} bytes)")
-                refs[hashlib.sha256(data).hexdigest()] = Ref(rel, offset, length)
+                refs[content_key(data)] = Ref(rel, offset, length)
     return refs
 
 
@@ -84,8 +81,7 @@ class DataStore:
             self._handles[file] = open(self.directory / file, "wb")  # closed in `close`
             self._ends[file] = 0
         end = self._ends[file]
-        step = ALIGN if len(data) >= PAGED else SMALL_ALIGN
-        start = -(-end // step) * step
+        start = aligned(end, len(data))
         self._handles[file].write(b"\0" * (start - end))
         self._handles[file].write(data)
         self._ends[file] = start + len(data)
@@ -102,7 +98,7 @@ class DataStore:
     def place(self, model: onnx.ModelProto, own: str) -> str | None:
         """Externalize `model`'s big initializers into `own` (or an earlier file holding all of them);
         returns the data file its graph points into (None when every tensor is small)."""
-        keyed = [(t, hashlib.sha256(t.raw_data).hexdigest()) for t in model.graph.initializer
+        keyed = [(t, content_key(t.raw_data)) for t in model.graph.initializer
                  if t.HasField("raw_data")]
         for t, key in keyed:
             if key in self.shared:
@@ -113,9 +109,7 @@ class DataStore:
         holders = [f for f, index in self.where.items() if all(k in index for _, k in tensors)]
         target = own if own in holders or not holders else holders[0]
         index = self.where.setdefault(target, {})
-        # the paged tensors first, then the small ones packed after them: a page of padding in front of every
-        # big tensor that followed a scale tensor was 0.3 MB of SmolLM2-135M's int8 export
-        for t, key in sorted(tensors, key=lambda tk: len(tk[0].raw_data) < PAGED):
+        for t, key in sorted(tensors, key=lambda tk: paged_first(len(tk[0].raw_data))):  # (datalayout.py)
             ref = index.get(key)
             if ref is None:
                 need(target == own, f"{own}: internal error, a tensor missing from borrowed {target}")

@@ -121,10 +121,10 @@ class Engine:
         # whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S symbolic;
         # manifest format 9), so no row is padding and the head runs on exactly those n rows
         self.any_rows = self.stacked and all(manifest.graph(r, 1).paired for r in ("stack", "head"))
-        # whether each row `few_rows` returns is bit for bit what a decode step of that token returns: fused
-        # attention runs >= 2 rows since format 10 (export/fused.py), matmuls are row-exact; then greedy
-        # speculation gives plain decoding's tokens whatever the precision
-        self.exact_rows = self.any_rows and manifest.format_version >= 10
+        # whether each row `few_rows` returns is bit for bit what a decode step of that token returns: the fused
+        # attention's extra row (its spare cache row, graphio.spare_rows) makes every call >= 2 rows, matmuls are
+        # row-exact; then greedy speculation gives plain decoding's tokens whatever the precision
+        self.exact_rows = self.any_rows and manifest.dims.spare > 0
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths

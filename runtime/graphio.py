@@ -61,6 +61,12 @@ POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; abse
 # ones and a zero row after them, whose K/V land in the row after the real ones (export/fused.py says why). So a
 # full-attention cache holds max_seq + SPARE_ROWS rows; the spare row is never attended by a real row.
 SPARE_ROWS = 1
+SPARE_SINCE = 10  # the manifest format that added the extra row
+
+
+def spare_rows(kv_layout: str, format_version: int) -> int:
+    """Extra rows of each full-attention cache: SPARE_ROWS for fused ("inplace") graphs of format 10+, else 0."""
+    return SPARE_ROWS if kv_layout == "inplace" and format_version >= SPARE_SINCE else 0
 
 
 def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from typing import Literal
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, SPARE_ROWS, Dims, KVLayout, TensorSpec, check_io, dims_from_config
+from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, check_io, dims_from_config, spare_rows
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
 from .sampling import SamplingParams
@@ -103,9 +103,8 @@ class Manifest:
     @cached_property
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
-        spare = SPARE_ROWS if self.kv_layout == "inplace" and self.format_version >= 10 else 0
         return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk,
-                                spare)
+                                spare_rows(self.kv_layout, self.format_version))
 
     @property
     def n_layers(self) -> int:

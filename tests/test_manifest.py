@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import describe_files, safe_join
-from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config, graph_io, graph_paths
+from edgellm.runtime.graphio import SPARE_ROWS, dims_from_config, graph_io, graph_paths, spare_rows
 from edgellm.runtime.manifest import FORMAT_VERSION, MANIFEST, GraphSpec, Manifest, read_manifest
 
 CONFIG = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": None, "dim": 16, "vocab_size": 32,
@@ -24,8 +24,8 @@ def make_export(root: Path, granularity: str = "layer", prefill_chunk: int = 4, 
                 kv_head_dim: int | None = None, config: dict = CONFIG, version: int = FORMAT_VERSION) -> Manifest:
     """A complete export directory with placeholder graph bytes and a manifest written by Manifest.write."""
     root.mkdir(parents=True, exist_ok=True)
-    spare = SPARE_ROWS if kv_layout == "inplace" and version >= 10 else 0
-    dims = dims_from_config(config, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim, spare=spare)
+    dims = dims_from_config(config, max_seq=16, kv_layout=kv_layout, kv_head_dim=kv_head_dim,
+                            spare=spare_rows(kv_layout, version))
     roles = [("embed", None), ("layer", 0), ("layer", 1), ("head", None)] if granularity == "layer" else [("model", None)]
     graphs = []
     for role, layer in roles:
