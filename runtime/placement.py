@@ -5,8 +5,14 @@ onnxruntime cannot share a pre-packed copy between two sessions from Python. So 
 
 - layer granularity: a decode graph is pre-packed (onnxruntime loads its data file itself and drops its
   map once packed: one private copy), unless its own data file (the manifest's `data`) is also read by a graph
-  of another unit (a tied embedding table: the embed graph gathers from it, so the head reads it in place
-  too). rope.data, which every fused layer also reads, holds no weight to pack and does not count. An fp32
+  of another unit (an embed graph whose table a layer graph also reads). rope.data, which every fused layer also
+  reads, holds no weight to pack and does not count. The head is always pre-packed, a tied table included (the
+  embed graph then gathers its rows from the map, released like any lookup table): read in place, onnxruntime's
+  float MatMul runs one row as a matrix-vector product but S > 1 rows (speculative verification) through the
+  packed kernel, re-packing the whole table per call (SmolLM2-135M's 576 x 49152 head: 10.5 ms at 9 rows
+  against 4.2 ms pre-packed) and summing in another order, so a verification row was not bit for bit its
+  decode step. Steady RSS is the same either way (one copy, anonymous instead of file pages: 646 vs 647 MB
+  on SmolLM2 fp32); loading peaks ~90 MB higher while the table is packed. An fp32
   prefill graph reads its weights in place from the shared map, unpacked, and its pages are released right
   after each of its runs (`SharedWeights.release`: madvise DONTNEED, the file stays in the page cache), so RSS
   holds one layer's unpacked weights at a time on top of the packed ones. A quantized prefill graph is
@@ -25,8 +31,8 @@ embed and layer graphs', and the head's.
 Lookup tables (initializers a graph reads only as a Gather's table: the embedding) always come from the
 shared map, pre-packed graph or not, and their files are released every few steps (`Engine`): a step reads
 one row, but the kernel maps the page-cache folio around it (up to 2 MB with large folios), so a mapped
-table grew the RSS with every new token. Unless another graph reads the file in place (a tied fp32 head),
-which keeps it resident anyway.
+table grew the RSS with every new token. Unless another graph reads the file in place (an unpacked prefill
+graph of a layer that shares the file), which keeps it resident anyway.
 
 `SessionConfig.prepack_prefill` (`--prefill-weights`) overrides the prefill choice: True pre-packs every
 prefill graph (faster prefill, a second copy in RAM), False none (lowest RSS, slower prefill); None (default)
@@ -103,6 +109,8 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
             prepack[g.name] = True
         elif g.seq > 1 and not g.paired:  # a paired prefill variant shares its decode variant's session
             prepack[g.name] = quantized if prepack_prefill is None else prepack_prefill
+        elif layered and g.role == "head":
+            prepack[g.name] = True
         elif layered:
             shared = g.data is not None and len(readers.get(g.data, ())) > 1
             prepack[g.name] = quantized or not shared

@@ -235,14 +235,17 @@ def test_weights_are_held_once(llama):
 
 
 @pytest.mark.slow
-def test_a_tied_table_is_read_in_place_by_embed_and_head(tmp_path_factory):
+def test_a_tied_table_is_packed_by_the_head_and_gathered_from_the_map(tmp_path_factory):
+    """The head pre-packs even a tied table (its S > 1 rows then sum as its S = 1 row does: placement.py); the
+    embedding (or stack) gathers rows from the shared map, released every few steps like any lookup table."""
     from edgellm.runtime.session import SessionConfig
 
     directory, model = tiny_export(tmp_path_factory, "qwen2", "layer")
     for stack in (True, False):
         where = Generator.open(directory, config=SessionConfig(threads=1, stack=stack)).engine.placement
-        assert not where["head.decode"].prepack  # the embedding gathers from the same table
-        assert all("head.data" not in p.release + p.tables for p in where.values())  # the head keeps reading it
+        assert where["head.decode"].prepack and not where["head.decode"].mapped
+        gatherer = where["stack.decode" if stack else "embed.decode"]
+        assert "head.data" in gatherer.tables and gatherer.mapped == gatherer.info.gathered
     # rope.data, read by every layer, holds no weight: the layers still pre-pack their own
     assert where["layer_0.decode"].prepack and where["layer_0.prefill"].release == ("layer_0.data", "rope.data")
 

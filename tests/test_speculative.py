@@ -73,16 +73,18 @@ def test_greedy_speculation_gives_the_plain_tokens(case, tmp_path: Path) -> None
     assert cont == cont_plain
 
 
-@pytest.mark.parametrize("bits", [None, 4], ids=["fp32", "int4"])
-def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: Path, bits: int | None) -> None:
+@pytest.mark.parametrize("case", ["fp32", "fp32-tied", "int4"])
+def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: Path, case: str) -> None:
     """Why greedy speculation can be exact, not merely close: each row of a k + 1 row verification is computed
     bit for bit as the decode step of that token computes it (fused attention always runs >= 2 rows,
-    export/fused.py), in fp32 and through int4 kernels with int8 activations alike."""
+    export/fused.py; the head pre-packed, a tied fp32 table too: placement.py), in fp32 and through int4
+    kernels with int8 activations alike."""
     from edgellm.runtime.engine import Engine
     from edgellm.runtime.manifest import read_manifest
     from tests.quant_helpers import quantize
 
-    out = llama if bits is None else quantize(llama, tmp_path / "int4", bits=4, method="rtn")
+    out = {"fp32": lambda: llama, "int4": lambda: quantize(llama, tmp_path / "int4", bits=4, method="rtn"),
+           "fp32-tied": lambda: export(tmp_path, "llama2", "layer", "fused", tie_embeddings=True)}[case]()
     engine = Engine.open(out, read_manifest(out))
     logits, fed, steps = engine.forward(PROMPT).copy(), [], []
     for _ in range(24):  # plain greedy decoding, one S = 1 step per token
