@@ -1,0 +1,161 @@
+"""edgellm's speculative decoding against its peers' in ONE run: every system in its own worker process (each
+loads its model once), the driver runs one case at a time, rotating the systems' order every task and round and
+alternating plain / speculative, so all of them see the same machine minute by minute (the VM drifts 10-35 %).
+
+    python bench/speculative_race.py EXPORT PEER [PEER ...] [--rounds 3] [--new-tokens 128] [--json FILE]
+
+EXPORT: an edgellm export (its chat template gives every system the same prompt ids). PEER: an
+onnxruntime-genai model directory (n-gram speculation, bench/speculative_peers.py) or a llama.cpp .gguf
+(prompt lookup via llama-cpp-python). Prints per task the decode tok/s of each system plain and speculative
+(median over rounds), and edgellm speculative / the best peer speculative per round (median, min-max). Fails
+(exit 1) if edgellm's speculative tokens ever differ from its plain greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from speculative import TASKS
+
+
+def _system(path: Path) -> str:
+    if (path / "manifest.json").is_file():
+        return "edgellm"
+    if (path / "genai_config.json").is_file():
+        return "genai"
+    if path.suffix == ".gguf" and path.is_file():
+        return "llama.cpp"
+    raise SystemExit(f"{path}: expected an edgellm export, an onnxruntime-genai model directory or a .gguf")
+
+
+def _open(path: Path, threads: int, k: int):
+    """{"plain": run, "spec": run}, run(ids, new_tokens) -> (decode tok/s, tokens, stats or None)."""
+    kind = _system(path)
+    if kind == "edgellm":
+        from speculative import run_case
+
+        from edgellm.runtime.generator import Generator
+        from edgellm.runtime.session import SessionConfig
+
+        gen = Generator.open(path, config=SessionConfig(threads=threads, shared_pool=True))
+        return {mode: (lambda ids, n, m=m: run_case(gen, ids, m, n)) for mode, m in (("plain", "off"),
+                                                                                        ("spec", "lookup"))}
+    from speculative_peers import decode, genai_models
+
+    if kind == "genai":
+        runs = genai_models(path, threads, k)
+        return {"plain": lambda ids, n: (*runs["plain"](ids, n), None),
+                "spec": lambda ids, n: (*runs["lookup"](ids, n), None)}
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    common = dict(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llms = {"plain": Llama(**common),
+            "spec": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
+    return {mode: (lambda ids, n, llm=llm: (*decode(llm, ids, n), None)) for mode, llm in llms.items()}
+
+
+def _worker(path: str, threads: int, k: int, conn) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    runs = _open(Path(path), threads, k)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        mode, ids, n = job
+        conn.send(runs[mode](ids, n))
+
+
+def race(paths: list[Path], prompts: dict[str, list[int]], rounds: int, new_tokens: int, threads: int,
+         k: int) -> dict:
+    ctx = mp.get_context("spawn")
+    conns = []
+    for p in paths:
+        parent, child = ctx.Pipe()
+        ctx.Process(target=_worker, args=(str(p), threads, k, child), daemon=True).start()
+        assert parent.recv() == "ready"
+        conns.append(parent)
+    names = [str(p) for p in paths]
+    speeds = {t: {s: {"plain": [], "spec": []} for s in names} for t in TASKS}
+    tokens: dict[str, dict[str, dict[str, list[int]]]] = {t: {s: {} for s in names} for t in TASKS}
+    stats: dict[str, dict] = {}
+    differ: dict[str, set[str]] = {s: set() for s in names}  # system -> tasks whose spec tokens != plain
+    turn = 0
+    for rnd in range(rounds + 1):  # round 0 warms up (not kept)
+        for task, ids in prompts.items():
+            for j in range(len(names)):
+                i = (turn + j) % len(names)
+                for mode in (("plain", "spec") if (turn + rnd) % 2 else ("spec", "plain")):
+                    conns[i].send((mode, ids, new_tokens))
+                    tok_s, got, st = conns[i].recv()
+                    tokens[task][names[i]][mode] = got
+                    if rnd:
+                        speeds[task][names[i]][mode].append(tok_s)
+                    if st is not None:
+                        stats[task] = st
+                if tokens[task][names[i]]["plain"] != tokens[task][names[i]]["spec"]:
+                    differ[names[i]].add(task)
+            turn += 1
+        print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    for c in conns:
+        c.send(None)
+    same_as_edgellm = {t: {s: tokens[t][s]["plain"] == tokens[t][names[0]]["plain"] for s in names} for t in TASKS}
+    return {"systems": names, "speeds": speeds, "stats": stats, "differ": {s: sorted(v) for s, v in differ.items()},
+            "plain_same_as_edgellm": same_as_edgellm, "load": os.getloadavg()}
+
+
+def table(res: dict) -> list[str]:
+    names, med = res["systems"], statistics.median
+    short = [Path(s).name for s in names]
+    lines = ["decode tok/s, plain / speculative (median of rounds); ratio: edgellm speculative / best peer "
+             f"speculative per round, median (min-max); load avg {res['load'][0]:.1f}/{res['load'][2]:.1f}",
+             "| task | group | " + " | ".join(short) + " | ratio |", "|---" * (len(names) + 3) + "|"]
+    ratios: dict[str, list[float]] = {"grounded": [], "free": []}
+    for task, (group, _) in TASKS.items():
+        s = res["speeds"][task]
+        per_round = [e / max(s[p]["spec"][r] for p in names[1:]) for r, e in enumerate(s[names[0]]["spec"])]
+        ratios[group].append(med(per_round))
+        cells = [f"{med(s[n]['plain']):.1f} / {med(s[n]['spec']):.1f}" for n in names]
+        lines.append(f"| {task} | {group} | " + " | ".join(cells) +
+                     f" | {med(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f}) |")
+    for group, rs in ratios.items():
+        lines.append(f"{group}: median ratio {med(rs):.2f}x (tasks {', '.join(f'{r:.2f}' for r in rs)})")
+    for name, tasks in res["differ"].items():
+        lines.append(f"{Path(name).name}: speculative tokens " +
+                     (f"differ from its plain ones on {', '.join(tasks)}" if tasks else "= its plain ones, every task"))
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("export", type=Path)
+    ap.add_argument("peers", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-pred-tokens", type=int, default=10, help="the peers' drafts per verification")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if _system(args.export) != "edgellm":
+        raise SystemExit(f"{args.export}: the first argument must be an edgellm export")
+    from edgellm.runtime.generator import Generator
+
+    gen = Generator.open(args.export)
+    prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
+    del gen
+    res = race([args.export, *args.peers], prompts, args.rounds, args.new_tokens, args.threads,
+               args.num_pred_tokens)
+    for line in table(res):
+        print(line, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    if res["differ"][str(args.export)]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
