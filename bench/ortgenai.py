@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'        # onnxruntime-genai (bench-only extra)
     python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench] [--rounds 5]
+                             [--llamacpp]
 
 For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py), the ORT-genai model
 (`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
@@ -11,6 +12,10 @@ past_present_share_buffer set in genai_config.json) and the edgellm export (`edg
 own process (own peak RSS), and prints the table and the edgellm / ORT-genai ratios. With --rounds N the pair
 is run N times, alternating which system goes first, and the median of the N decode ratios is printed: this
 VM's speed drifts by 10-20 % over minutes, so one pair of runs can land anywhere in 0.8-1.05x.
+`--llamacpp` adds llama.cpp in the same rotation (llama-cpp-python, bench extra): the checkpoint converted by its
+sdist's convert_hf_to_gguf.py and quantized by llama.cpp itself (fp32: f32, int8: Q8_0, int4: Q4_0), decoded
+greedily by bench/quality_llamacpp.py's eval loop (one Python call per token) in a child process of its own.
+Timings of the edgellm export and quantize steps are printed when they run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ PRECISIONS = ("fp32", "int8", "int4")
 
 
 def _run(cmd: list[str], log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -50,17 +56,50 @@ def build_genai(hf: Path, out: Path, precision: str, threads: int, max_length: i
     return out
 
 
+def _timed(cmd: list[str], log: Path) -> None:
+    start = time.perf_counter()
+    _run(cmd, log)
+    print(f"  {' '.join(cmd[:2])} {Path(cmd[2]).name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int) -> Path:
     fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
-    rebuilt = rebuild_if_stale(fp32, lambda: _run(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
-                                                   str(max_seq), "--prefill-chunk", "64", "--no-progress"],
-                                                  fp32.with_suffix(".log")))
+    rebuilt = rebuild_if_stale(fp32, lambda: _timed(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
+                                                     str(max_seq), "--prefill-chunk", "64", "--no-progress"],
+                                                    fp32.with_suffix(".log")))
     if precision == "fp32":
         return fp32
     bits = {"int8": "8", "int4": "4"}[precision]
-    rebuild_if_stale(out, lambda: _run(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits,
-                                        "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
+    rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits,
+                                          "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
     return out
+
+
+LLAMACPP_TYPES = {"fp32": None, "int8": "Q8_0", "int4": "Q4_0"}
+
+
+def build_gguf(hf: Path, root: Path, name: str, precision: str) -> Path:
+    """The checkpoint through llama.cpp's own converter and quantizer (bench/quality_llamacpp.py)."""
+    import quality_llamacpp as L
+
+    f32 = L.convert_f32(hf, root / "gguf" / f"{name}-f32.gguf", L.converter(root), any_tokenizer=True)
+    kind = LLAMACPP_TYPES[precision]
+    return f32 if kind is None else L.quantize(f32, root / "gguf" / f"{name}-{kind}.gguf", kind)
+
+
+def llamacpp_child(gguf: str, contexts: list[int], new_tokens: int, runs: int, threads: int) -> list[dict]:
+    """Runs inside a child process: greedy decode through llama-cpp-python (decode tok/s, peak RSS)."""
+    import quality_llamacpp as L
+
+    from edgellm.runtime.stats import peak_rss_mb
+
+    rows = []
+    for context in contexts:
+        speed = L.decode_speed(Path(gguf), threads, prompt=context, new=new_tokens, runs=runs)
+        rows.append({"system": "llama.cpp", "context": context, "prefill": float("nan"),
+                     "prefill_range": [float("nan")] * 2, "decode": speed, "decode_range": [speed, speed],
+                     "peak_rss_mb": peak_rss_mb(), "first": [], "other_load_pct": None})
+    return rows
 
 
 def genai_child(model_dir: str, contexts: list[int], new_tokens: int, runs: int, max_load: float) -> list[dict]:
@@ -132,12 +171,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the pair of runs this many times, alternating which system goes first (the VM's "
                         "speed drifts over minutes); prints the median of the per-round ratios")
+    p.add_argument("--llamacpp", action="store_true", help="llama.cpp (f32 / Q8_0 / Q4_0) in the rotation too")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
+    p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
         print(json.dumps(genai_child(args.child[0], contexts, args.new_tokens, args.runs, args.max_other_load)))
+        return
+    if args.llamacpp_child:
+        print(json.dumps(llamacpp_child(args.llamacpp_child[0], contexts, args.new_tokens, args.runs, args.threads)))
         return
     report = []
     for name in args.models.split(","):
@@ -148,23 +192,31 @@ def main() -> None:
         genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
                             args.max_seq)
         export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq)
-        ratios: dict[int, list[float]] = {}
+        gguf = build_gguf(hf, args.root, name, args.precision) if args.llamacpp else None
+        systems = ["ort-genai", "edgellm"] + (["llama.cpp"] if gguf else [])
+        ratios: dict[tuple[str, int], list[float]] = {}
         for round_ in range(args.rounds):
             rows = []
-            for system in ("ort-genai", "edgellm") if round_ % 2 == 0 else ("edgellm", "ort-genai"):
-                rows += _genai_rows(genai, args) if system == "ort-genai" else edgellm_rows(
-                    export, contexts, args.new_tokens, args.runs, args.threads, args.max_other_load)
-            rows.sort(key=lambda r: r["system"] != "ort-genai")  # printed genai first whichever ran first
+            for k in range(len(systems)):
+                system = systems[(round_ + k) % len(systems)]  # each round starts with the next system
+                if system == "ort-genai":
+                    rows += _genai_rows(genai, args)
+                elif system == "llama.cpp":
+                    rows += _llamacpp_rows(gguf, args)
+                else:
+                    rows += edgellm_rows(export, contexts, args.new_tokens, args.runs, args.threads,
+                                         args.max_other_load)
+            rows.sort(key=lambda r: systems.index(r["system"]))
             for row in rows:
                 row["model"], row["precision"], row["round"] = name, args.precision, round_
             report += rows
-            for ctx, ratio in _decode_ratios(rows).items():
-                ratios.setdefault(ctx, []).append(ratio)
+            for key, ratio in _decode_ratios(rows).items():
+                ratios.setdefault(key, []).append(ratio)
             if not args.json:
                 _print(name, args.precision, rows)
         if args.rounds > 1 and not args.json:
-            for ctx, values in ratios.items():
-                print(f"  ctx {ctx}: decode edgellm / ORT-genai over {len(values)} alternating rounds: median "
+            for (peer, ctx), values in ratios.items():
+                print(f"  ctx {ctx}: decode edgellm / {peer} over {len(values)} rotating rounds: median "
                       f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in sorted(values))})")
     if args.json:
         print(json.dumps({"schema": "edgellm-bench-ortgenai", "version": 1, "rows": report}))
@@ -178,10 +230,17 @@ def _genai_rows(genai: Path, args: argparse.Namespace) -> list[dict]:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def _decode_ratios(rows: list[dict]) -> dict[int, float]:
-    """context -> edgellm / ORT-genai decode tok/s within one round."""
+def _llamacpp_rows(gguf: Path, args: argparse.Namespace) -> list[dict]:
+    child = subprocess.run([sys.executable, __file__, "--llamacpp-child", str(gguf), "--contexts", args.contexts,
+                            "--runs", str(args.runs), "--new-tokens", str(args.new_tokens), "--threads",
+                            str(args.threads)], capture_output=True, text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _decode_ratios(rows: list[dict]) -> dict[tuple[str, int], float]:
+    """(peer, context) -> edgellm / peer decode tok/s within one round."""
     by = {(r["system"], r["context"]): r["decode"] for r in rows}
-    return {ctx: by[("edgellm", ctx)] / by[("ort-genai", ctx)] for sys_, ctx in by if sys_ == "edgellm"}
+    return {(peer, ctx): by[("edgellm", ctx)] / by[(peer, ctx)] for peer, ctx in by if peer != "edgellm"}
 
 
 def _print(name: str, precision: str, rows: list[dict]) -> None:
@@ -193,9 +252,9 @@ def _print(name: str, precision: str, rows: list[dict]) -> None:
               f"{r['other_load_pct'] if r['other_load_pct'] is not None else float('nan'):.1f}%")
     for ctx in sorted({r["context"] for r in rows}):
         e = next(r for r in rows if r["system"] == "edgellm" and r["context"] == ctx)
-        g = next(r for r in rows if r["system"] == "ort-genai" and r["context"] == ctx)
-        print(f"  ctx {ctx}: edgellm / ORT-genai  prefill {e['prefill'] / g['prefill']:.2f}x  decode "
-              f"{e['decode'] / g['decode']:.2f}x  RSS {e['peak_rss_mb'] / g['peak_rss_mb']:.2f}x")
+        for g in (r for r in rows if r["system"] != "edgellm" and r["context"] == ctx):
+            print(f"  ctx {ctx}: edgellm / {g['system']}  prefill {e['prefill'] / g['prefill']:.2f}x  decode "
+                  f"{e['decode'] / g['decode']:.2f}x  RSS {e['peak_rss_mb'] / g['peak_rss_mb']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -41,14 +41,43 @@ def converter(root: Path) -> Path:
     return tree
 
 
-def convert_f32(hf_dir: Path, out: Path, tree: Path) -> Path:
+# bench/make_models.py's random-weight checkpoints carry a made-up BPE tokenizer (no merges) that llama.cpp cannot
+# load: speed runs (bench/ortgenai.py --llamacpp) write a placeholder sentencepiece-style vocabulary of the same size
+# instead (<unk> <s> </s>, the 256 byte tokens, then <tN>); the ids mean nothing, the weights and shapes are the same
+_ANY_TOKENIZER = """
+import sys
+import conversion.base as b
+
+def placeholder_vocab(self):
+    n = self.hparams["vocab_size"]
+    w = self.gguf_writer
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"<t{i}>" for i in range(259, n)])
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+# the families' set_vocab (their modules load lazily) all end in one of these helpers
+for helper in ("_set_vocab_sentencepiece", "_set_vocab_gpt2", "_set_vocab_llama_hf", "_set_vocab_qwen"):
+    setattr(b.TextModel, helper, placeholder_vocab)
+import convert_hf_to_gguf as c
+
+sys.argv = sys.argv[1:]
+c.main()
+"""
+
+
+def convert_f32(hf_dir: Path, out: Path, tree: Path, any_tokenizer: bool = False) -> Path:
     """convert_hf_to_gguf.py --outtype f32 (with the sdist's own gguf-py first on the path)."""
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(tree)])}
-    done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+    script = ["-c", _ANY_TOKENIZER, "convert"] if any_tokenizer else [str(tree / "convert_hf_to_gguf.py")]
+    done = subprocess.run([sys.executable, *script, str(hf_dir), "--outtype", "f32",
                            "--outfile", str(tmp)], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
