@@ -129,9 +129,17 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert d.propose(3) == [5, 9, 2]
     d.reset([6, 6])
     assert d.propose(5) == [6]         # continuation runs up to the end of the context
-    two = PromptLookup()               # the default: matches of 2 or 3 tokens only
+    two = PromptLookup()               # the default: matches of 2 to 6 tokens
     two.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2])
     assert two.propose(4) == [] and (two.extend([3]) or two.propose(2)) == [7, 8]
+    # the longest earlier match wins over a later, shorter one: "a b c d e" -> f, then "x d e" -> y, and now
+    # "a b c d e" again: the 5-gram points at f, though "d e" last led to y
+    a, b, c, dd, e, f, x, y = range(10, 18)
+    two.reset([a, b, c, dd, e, f, x, dd, e, y, a, b, c, dd, e])
+    assert two.propose(2) == [f, x]
+    short = PromptLookup(max_ngram=2)
+    short.reset([a, b, c, dd, e, f, x, dd, e, y, a, b, c, dd, e])
+    assert short.propose(2) == [y, a]
 
 
 def test_accept_greedy() -> None:
