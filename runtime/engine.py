@@ -29,8 +29,7 @@ reads the hidden state after each layer from it; the K/V rows are in the cache o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +38,7 @@ import numpy as np
 from .errors import EdgeError
 from .fileio import safe_join
 from .kvcache import KVCache, plan_calls
-from .manifest import GraphSpec, Manifest
+from .manifest import Manifest
 from .placement import plan
 from .session import (
     BoundGraph,
@@ -48,6 +47,7 @@ from .session import (
     SharedWeights,
     open_placed,
 )
+from .variant import GraphRun, Hook, Variant, runs_stack
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
@@ -57,56 +57,6 @@ if TYPE_CHECKING:
 # row read after it) costs ~0.1-0.3 ms with the thread pool's TLBs to flush, < 1 % of 50 ms at any step time;
 # RSS then holds at most the folios of the tokens read in the last 50 ms
 TABLE_INTERVAL_S = 0.05
-
-
-@dataclass(frozen=True)
-class GraphRun:
-    """What a `forward_rows` hook sees right after one graph ran. The arrays are the Engine's bound buffers
-    (views: the next run overwrites them; copy what you keep): rows [0, count) of each [1, S, ...] input and
-    output are real, the rest padding. Layer and model graphs of kv_layout "rows" return only the S new K/V
-    rows (present_*), written to the cache after the step's last graph; "inplace" present_* are the cache
-    buffers themselves, already written."""
-
-    spec: GraphSpec                 # which graph (role, layer, seq)
-    inputs: dict[str, np.ndarray]
-    outputs: dict[str, np.ndarray]
-    start: int                      # the cache length before this call: the position of its first row
-    count: int                      # real rows (<= spec.seq)
-
-
-Hook = Callable[[GraphRun], None]
-
-
-def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
-    """Whether an Engine runs the export's stack graph (edgellm/layout/stacking.py) rather than embed + layers."""
-    return manifest.granularity == "layer" and manifest.has_stack and config.stack
-
-
-class _Variant:
-    """Buffers and bound graphs for one sequence length S."""
-
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-        self.tokens = np.zeros((1, seq), np.int64)
-        self.positions = np.zeros((1, seq), np.int64)
-        # present rows [1, n_kv, S, hd], one pair per layer, copied into the cache after the whole step:
-        # the copies then run back to back with warm caches (one right after each layer's run cost ~20 us
-        # each, against ~2 us in a row, on the dev VM)
-        self.keys: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
-        self.graphs: list[BoundGraph] = []
-        self.specs: list[GraphSpec] = []  # graphs[i]'s manifest entry
-        self.logits: np.ndarray | None = None      # [1, S, V]; layer granularity: S = 1 only
-        self.hidden_out: np.ndarray | None = None  # the last layer's output (layer granularity)
-        self.body: list[BoundGraph] = []  # what a chunk runs: embed + layers (the head runs once, last), or model
-        self.release: list[tuple[str, ...]] = []  # per body graph: data files to release after its run
-        self.releases = False  # whether any body graph releases anything (decided once, not per step)
-
-    def add_present(self, n: int, manifest: Manifest) -> None:
-        shape = (1, manifest.n_kv_heads, self.seq, manifest.head_dim)
-        for _ in range(n):
-            self.keys.append(np.zeros(shape, np.float32))
-            self.values.append(np.zeros(shape, np.float32))
 
 
 class Engine:
@@ -136,8 +86,8 @@ class Engine:
         self._tables_released = time.perf_counter()
         self.chunk = manifest.prefill_chunk
         self._paired: dict[str, InferenceSession] = {}  # paired graph file -> its one session
-        self._rows_head: _Variant | None = None  # the S = prefill_chunk head (forward_rows), opened on first use
-        self._few: dict[int, _Variant] = {}  # S = n variants of the paired stack + head (few_rows), built on first use
+        self._rows_head: Variant | None = None  # the S = prefill_chunk head (forward_rows), opened on first use
+        self._few: dict[int, Variant] = {}  # S = n variants of the paired stack + head (few_rows), built on first use
         # decode graphs first: if the prefill graphs fail to load, nothing of them stays half-built
         self.decode = self._build(1)
         self.prefill = self._build(self.chunk) if self.chunk > 1 else self.decode
@@ -164,9 +114,9 @@ class Engine:
             self._paired[spec.file] = session
         return session, spec
 
-    def _build(self, seq: int) -> _Variant:
+    def _build(self, seq: int) -> Variant:
         m = self.manifest
-        v = _Variant(seq)
+        v = Variant(seq)
         common = {"positions": v.positions, "past_len": self.past_len}
         if not self.layered:
             v.add_present(m.n_layers, m)
@@ -192,7 +142,7 @@ class Engine:
             self._bind(v, "head", 1, None, {"hidden": v.hidden_out}, {"logits": v.logits})
         return v
 
-    def _bind(self, v: _Variant, role: str, seq: int, layer: int | None, inputs: dict[str, np.ndarray],
+    def _bind(self, v: Variant, role: str, seq: int, layer: int | None, inputs: dict[str, np.ndarray],
               outputs: dict[str, np.ndarray], spec_seq: int | None = None) -> None:
         """Open (or share) the graph's session, bind its buffers and append it to the variant. `spec_seq`: the
         manifest variant whose (paired, S-symbolic) session runs this S (few_rows)."""
@@ -200,7 +150,7 @@ class Engine:
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.specs.append(spec)
 
-    def _bind_layers(self, v: _Variant) -> None:
+    def _bind_layers(self, v: Variant) -> None:
         """embed -> layer_0 .. layer_{N-1}, one session each."""
         m, seq = self.manifest, v.seq
         if not self.in_place:
@@ -221,7 +171,7 @@ class Engine:
             self._bind(v, "layer", seq, i, inputs, outputs)
         v.hidden_out = hidden[m.n_layers % 2]
 
-    def _bind_stack(self, v: _Variant, spec_seq: int | None = None) -> None:
+    def _bind_stack(self, v: Variant, spec_seq: int | None = None) -> None:
         """The stack graph: embedding and every layer in one session, writing every cache in place."""
         m, seq = self.manifest, v.seq
         v.hidden_out = np.zeros((1, seq, m.dim), np.float32)
@@ -233,7 +183,7 @@ class Engine:
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
         self._bind(v, "stack", seq, None, inputs, outputs, spec_seq)
 
-    def _embed_positions(self, v: _Variant) -> dict[str, np.ndarray]:
+    def _embed_positions(self, v: Variant) -> dict[str, np.ndarray]:
         """The embedding's `positions` input, for models with an absolute position table (format 8)."""
         return {"positions": v.positions} if self.manifest.dims.embed_positions else {}
 
@@ -282,7 +232,7 @@ class Engine:
             raise EdgeError(f"few_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
         v = self._few.get(n)
         if v is None:
-            v = self._few[n] = _Variant(n)
+            v = self._few[n] = Variant(n)
             self._bind_stack(v, spec_seq=1)
             v.body, v.release = list(v.graphs), [()]
             v.logits = np.zeros((1, n, self.manifest.vocab_size), np.float32)
@@ -291,11 +241,11 @@ class Engine:
         v.graphs[-1].run()
         return v.logits[0]
 
-    def _all_logits(self, v: _Variant, count: int, hook: Hook | None) -> np.ndarray:
+    def _all_logits(self, v: Variant, count: int, hook: Hook | None) -> np.ndarray:
         """Logits [count, V] of the chunk `v` just ran (a view)."""
         if self.layered:
             if v.seq > 1 and self._rows_head is None:
-                self._rows_head = _Variant(v.seq)
+                self._rows_head = Variant(v.seq)
                 self._rows_head.logits = np.zeros((1, v.seq, self.manifest.vocab_size), np.float32)
                 self._bind(self._rows_head, "head", v.seq, None, {"hidden": v.hidden_out},
                            {"logits": self._rows_head.logits})
@@ -310,7 +260,7 @@ class Engine:
             v = head
         return v.logits[0, :count]
 
-    def _run_chunk(self, v: _Variant, tokens: Sequence[int] | np.ndarray, count: int,
+    def _run_chunk(self, v: Variant, tokens: Sequence[int] | np.ndarray, count: int,
                    hook: Hook | None = None) -> None:
         cache = self.cache
         length = cache.length
@@ -343,7 +293,7 @@ class Engine:
             self.weights.release(self.tables)
             self._tables_released = time.perf_counter()
 
-    def _logits(self, v: _Variant, count: int) -> np.ndarray:
+    def _logits(self, v: Variant, count: int) -> np.ndarray:
         if not self.layered:
             return v.logits[0, count - 1]
         if v.seq > 1:  # copy the last real row into the S = 1 head's input, then run that head

@@ -6,9 +6,9 @@ import json
 import shlex
 from pathlib import Path
 
-from edgellm.runtime.engine import runs_stack
 from edgellm.runtime.manifest import FORMAT, MANIFEST, Manifest, read_manifest
 from edgellm.runtime.session import SessionConfig
+from edgellm.runtime.variant import runs_stack
 
 
 def is_export(path: Path) -> bool:
