@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
@@ -46,50 +45,16 @@ from .chat import ChatTemplate
 from .drafting import PromptLookup
 from .engine import Engine
 from .errors import need
+from .events import Result, TokenEvent
 from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, argmax_checked, sample
 from .session import RunClock, SessionConfig
 from .speculative import DRAFT_TOKENS, Stats, configure, speculation_off, speculative_tokens
-from .stats import Timings, make_timings, peak_rss_mb
+from .stats import make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
-
-FINISH_REASONS = ("eos", "stop", "length", "max_new_tokens")
-
-
-class TokenEvent:
-    """One new token and the text it completes ("" while a character or a possible stop string is still
-    partial). `token_id` is None for the text flushed at the very end. (A slotted class, not a frozen
-    dataclass: one is made per token, and the frozen __init__ costs microseconds.)"""
-
-    __slots__ = ("token_id", "text")
-
-    def __init__(self, token_id: int | None, text: str) -> None:
-        self.token_id, self.text = token_id, text
-
-    def __repr__(self) -> str:
-        return f"TokenEvent(token_id={self.token_id!r}, text={self.text!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TokenEvent) and (self.token_id, self.text) == (other.token_id, other.text)
-
-
-@dataclass(frozen=True)
-class Result:
-    token_ids: list[int]          # the new tokens (no EOS)
-    text: str                     # the streamed text, concatenated ("" without a tokenizer)
-    finish_reason: str            # one of FINISH_REASONS
-    prompt_ids: list[int]         # what was fed this call (after BOS / truncation / a carried-over token)
-    timings: Timings
-    peak_rss_mb: float
-    speculative: dict | None = None  # Stats.to_dict(): mode, drafted, accepted, verifications (None: off)
-
-    def to_dict(self) -> dict:
-        spec = {"speculative": self.speculative} if self.speculative is not None else {}
-        return {"text": self.text, "token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
-                "stats": {**self.timings.to_dict(), "peak_rss_mb": round(self.peak_rss_mb, 1), **spec}}
 
 
 class Generator:
