@@ -242,6 +242,9 @@ class Generator:
         else:
             logits = self.engine.forward(feed)
             self._history[self.cache.length - len(feed):self.cache.length] = feed
+            # the k-th new token is fed to row base + k - 1 (the last one is row max_seq - 1): counted here, not
+            # read off the cache, whose length a verification has already moved past the accepted drafts
+            base = self.cache.length
 
             def pick(logits: np.ndarray) -> int:
                 return argmax_checked(logits) if plain_greedy else sample(
@@ -271,7 +274,7 @@ class Generator:
                     reason = "stop"
                 elif len(new) >= stop.max_new_tokens:
                     reason = "max_new_tokens"
-                elif self.cache.free == 0:
+                elif base + len(new) > self.cache.max_seq:
                     reason = "length"
                 else:
                     reason = ""

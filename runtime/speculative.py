@@ -15,8 +15,8 @@ Acceptance (row i of the verification = the target's logits after the last token
   here are deterministic (q a point mass on d): accept with probability p(d), else draw from p without d.
   Either way every emitted token is distributed exactly as plain sampling's.
 
-`Adaptive` keeps speculation from costing time: an accept-rate EMA and the measured cost of a verification
-(relative to a plain step) pick the k with the best expected tokens per unit of time; when even that is below
+`Adaptive` keeps speculation from costing time: an accept-rate EMA and the measured cost of a verification,
+drafting included (relative to a plain step), pick the k with the best expected tokens per unit of time; when even that is below
 a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing: text that starts
 free and then quotes its prompt gets back to drafting within a few dozen tokens).
 Ring caches (sliding-window layers) cannot be rewound: speculation is off for them (`speculation_off`).
@@ -103,6 +103,8 @@ class Adaptive:
         return (1 - a ** (k + 1)) / (1 - a) / self.cost(k)
 
     def budget(self) -> int:
+        if self.timed and self.step_s is None:
+            return 0  # the first step is plain: costs are measured against it, never guessed
         if self.wait > 0:
             self.wait -= 1
             return 0
@@ -177,13 +179,15 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
         while True:
             drafter.extend((token,))
             valid = cache.length
+            gen._carry = []  # the token yielded before this one is in rows [0, valid): nothing left to carry
             emitted += 1
             yield token
             # the token is fed with up to k drafts; the verification must leave >= 1 free row (see Generator)
             room = min(cache.free - 2, max_new - emitted - 1)
             k = min(adaptive.budget(), room) if room > 0 else 0
+            t0 = perf_counter()  # a verification's cost includes drafting (a draft export's k steps)
             drafts = drafter.propose(k) if k > 0 else []
-            start, t0 = cache.length, perf_counter()
+            start = cache.length
             if not drafts:
                 logits = engine.forward((token,))
                 history[start] = token
@@ -207,6 +211,7 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
             for j in range(n):
                 drafter.extend((drafts[j],))
                 valid = start + 1 + j
+                gen._carry = []
                 emitted += 1
                 yield drafts[j]
             token = after

@@ -96,6 +96,30 @@ def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: P
     assert engine.any_rows and np.array_equal(rows, np.stack(steps))
 
 
+def test_turns_ending_in_eos_leave_plain_decodings_context(tmp_path_factory) -> None:
+    """Multi-turn (keep_context): a turn whose EOS comes right after accepted drafts leaves the context plain
+    decoding leaves (the last token in the cache, nothing carried: it was fed twice on the next turn), and a
+    verification that reached the cache's end does not cut the turn short ("length")."""
+    from tests.runtime_fixtures import bigram_export
+
+    gen = Generator.open(bigram_export(tmp_path_factory))
+
+    def turns(mode: str) -> tuple[list[tuple], dict | None]:
+        gen.speculate(mode)
+        gen.reset()
+        out, stats = [], None
+        for _ in range(9):  # 9 turns of ~8 rows fill the 64-row context
+            r = gen.complete("a", GREEDY, StopParams(16), keep_context=True, text=False)
+            out.append((r.finish_reason, r.prompt_ids, r.token_ids, gen.cache.length))
+            stats = r.speculative or stats
+        return out, stats
+
+    plain, _ = turns("off")
+    spec, stats = turns("lookup")
+    assert spec == plain and stats["accepted"] > 0
+    assert [t[0] for t in plain].count("eos") >= 7
+
+
 def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     gen = Generator.open(llama)
     plain, _ = greedy_ids(gen, "off")
