@@ -263,8 +263,9 @@ class Generator:
                 last = perf_counter()
                 if not new:
                     first, run_at_first = last, self.clock.seconds
-                if token in eos:
+                if token in eos:  # every token before it is in the cache (a speculative source rewinds to it)
                     reason = "eos"
+                    self._carry = []
                     break
                 new.append(token)
                 delta = decoder.push(token) if decoder is not None and token < known else ""

@@ -179,7 +179,6 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
         while True:
             drafter.extend((token,))
             valid = cache.length
-            gen._carry = []  # the token yielded before this one is in rows [0, valid): nothing left to carry
             emitted += 1
             yield token
             # the token is fed with up to k drafts; the verification must leave >= 1 free row (see Generator)
@@ -211,7 +210,6 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
             for j in range(n):
                 drafter.extend((drafts[j],))
                 valid = start + 1 + j
-                gen._carry = []
                 emitted += 1
                 yield drafts[j]
             token = after
