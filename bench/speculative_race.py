@@ -9,6 +9,11 @@ onnxruntime-genai model directory (n-gram speculation, bench/speculative_peers.p
 (prompt lookup via llama-cpp-python). Prints per task the decode tok/s of each system plain and speculative
 (median over rounds), and edgellm speculative / the best peer speculative per round (median, min-max). Fails
 (exit 1) if edgellm's speculative tokens ever differ from its plain greedy tokens.
+
+edgellm's worker starts as `edgellm run` does, with glibc asked for transparent huge pages
+(edgellm/cli/hugepages.py); the peers run as shipped, unless --peers-huge-pages gives them the same variable.
+Each worker's MiB in huge pages after loading is printed (before 2026-11-26 the edgellm worker ran without them:
+its plain fp32 decode was 10-25 % slow).
 """
 
 from __future__ import annotations
@@ -64,21 +69,40 @@ def _open(path: Path, threads: int, k: int):
 def _worker(path: str, threads: int, k: int, conn) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     runs = _open(Path(path), threads, k)
-    conn.send("ready")
+    from edgellm.runtime.stats import huge_pages_mb
+
+    conn.send(("ready", huge_pages_mb()))
     while (job := conn.recv()) is not None:
         mode, ids, n = job
         conn.send(runs[mode](ids, n))
 
 
-def race(paths: list[Path], prompts: dict[str, list[int]], rounds: int, new_tokens: int, threads: int,
-         k: int) -> dict:
-    ctx = mp.get_context("spawn")
-    conns = []
-    for p in paths:
+def _start(ctx, path: Path, threads: int, k: int, huge_pages: bool):
+    """A worker process for one system (spawned: glibc reads its tunables as the new interpreter starts)."""
+    from edgellm.cli.hugepages import environment_with_huge_pages
+
+    saved = dict(os.environ)
+    if huge_pages:
+        os.environ.update(environment_with_huge_pages(os.environ))
+    try:
         parent, child = ctx.Pipe()
-        ctx.Process(target=_worker, args=(str(p), threads, k, child), daemon=True).start()
-        assert parent.recv() == "ready"
-        conns.append(parent)
+        ctx.Process(target=_worker, args=(str(path), threads, k, child), daemon=True).start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    ready, huge = parent.recv()
+    assert ready == "ready"
+    print(f"  {path.name}: loaded, {huge:.0f} MiB in huge pages", file=sys.stderr)
+    return parent, huge
+
+
+def race(paths: list[Path], prompts: dict[str, list[int]], rounds: int, new_tokens: int, threads: int,
+         k: int, peers_huge_pages: bool = False) -> dict:
+    ctx = mp.get_context("spawn")
+    conns, huge = [], {}
+    for i, p in enumerate(paths):
+        conn, huge[str(p)] = _start(ctx, p, threads, k, huge_pages=i == 0 or peers_huge_pages)
+        conns.append(conn)
     names = [str(p) for p in paths]
     speeds = {t: {s: {"plain": [], "spec": []} for s in names} for t in TASKS}
     tokens: dict[str, dict[str, dict[str, list[int]]]] = {t: {s: {} for s in names} for t in TASKS}
@@ -105,7 +129,7 @@ def race(paths: list[Path], prompts: dict[str, list[int]], rounds: int, new_toke
         c.send(None)
     same_as_edgellm = {t: {s: tokens[t][s]["plain"] == tokens[t][names[0]]["plain"] for s in names} for t in TASKS}
     return {"systems": names, "speeds": speeds, "stats": stats, "differ": {s: sorted(v) for s, v in differ.items()},
-            "plain_same_as_edgellm": same_as_edgellm, "load": os.getloadavg()}
+            "plain_same_as_edgellm": same_as_edgellm, "load": os.getloadavg(), "huge_pages_mb": huge}
 
 
 def table(res: dict) -> list[str]:
@@ -124,6 +148,8 @@ def table(res: dict) -> list[str]:
                      f" | {med(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f}) |")
     for group, rs in ratios.items():
         lines.append(f"{group}: median ratio {med(rs):.2f}x (tasks {', '.join(f'{r:.2f}' for r in rs)})")
+    lines.append("MiB in huge pages after loading: " + ", ".join(
+        f"{Path(n).name} {res.get('huge_pages_mb', {}).get(n, 0):.0f}" for n in names))
     for name, tasks in res["differ"].items():
         lines.append(f"{Path(name).name}: speculative tokens " +
                      (f"differ from its plain ones on {', '.join(tasks)}" if tasks else "= its plain ones, every task"))
@@ -139,6 +165,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-pred-tokens", type=int, default=10, help="the peers' drafts per verification")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--peers-huge-pages", action="store_true",
+                    help="start the peers with glibc asked for huge pages too (as edgellm's worker always is)")
     args = ap.parse_args()
     if _system(args.export) != "edgellm":
         raise SystemExit(f"{args.export}: the first argument must be an edgellm export")
@@ -148,7 +176,7 @@ def main() -> None:
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
     del gen
     res = race([args.export, *args.peers], prompts, args.rounds, args.new_tokens, args.threads,
-               args.num_pred_tokens)
+               args.num_pred_tokens, args.peers_huge_pages)
     for line in table(res):
         print(line, flush=True)
     if args.json:

@@ -9,7 +9,10 @@
 
 Speed: in a process of its own, open with `config=SessionConfig(threads=..., shared_pool=True)` — one
 onnxruntime thread pool for all graphs, what `edgellm run` uses (stories15M decode ~1.6x faster). It is off
-by default because onnxruntime then requires every other session in the process to use that pool too.
+by default because onnxruntime then requires every other session in the process to use that pool too. And start
+that process as `edgellm run` starts itself, with glibc asked for transparent huge pages for the packed weights
+(`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or `edgellm.cli.hugepages.environment_with_huge_pages(os.environ)` as
+a child's environment): SmolLM2-135M fp32 decode 47-50 -> 58-59 tok/s, int4 +7-14 % (docs/benchmarks.md).
 
 Prompts: text is tokenized and, when the context starts empty, BOS (the manifest's `bos_id`) is put in front
 if the checkpoint's tokenizer puts one there (manifest `tokenizer.add_bos`, export/bos_rule.py: Llama yes,

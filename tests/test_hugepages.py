@@ -69,3 +69,36 @@ def test_bench_runs_in_huge_pages_unless_told_not_to(tmp_path_factory):
     assert _bench_huge_mb(export, env) >= 2
     # the user's opt-out is kept: nothing asks for huge pages, none are used
     assert _bench_huge_mb(export, {**env, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == 0
+
+
+_MALLOC_CHILD = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+size = 64 << 20
+ctypes.memset(libc.malloc(size), 1, size)  # malloc'd like onnxruntime's packed weights (numpy asks by itself)
+from edgellm.runtime.stats import huge_pages_mb
+print(huge_pages_mb())
+"""
+
+
+def _child_huge_mb(env: dict[str, str]) -> float:
+    proc = subprocess.run([sys.executable, "-c", _MALLOC_CHILD], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout)
+
+
+def test_a_child_started_with_the_environment_gets_huge_pages():
+    # what the benchmarks start edgellm's workers with (bench/speculative_race.py): the same rule as the re-execution
+    from edgellm.cli.hugepages import environment_with_huge_pages
+
+    if thp_mode() != "madvise" or (glibc_version() or (0, 0)) < MIN_GLIBC:
+        pytest.skip(f"THP mode {thp_mode()!r}, glibc {glibc_version()}: nothing to ask for here")
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env = environment_with_huge_pages(plain)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and {**env, "GLIBC_TUNABLES": ""} == {**plain,
+                                                                                                   "GLIBC_TUNABLES": ""}
+    assert _child_huge_mb(env) >= 32
+    assert _child_huge_mb(plain) == 0
+    opted_out = {**plain, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert environment_with_huge_pages(opted_out) == opted_out

@@ -59,19 +59,27 @@ def tunables_with_huge_pages(environ: Mapping[str, str], mode: str, glibc: tuple
     return f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"
 
 
+def environment_with_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` as a child process should get it to run as `edgellm run` runs: with the tunable added where it
+    helps (benchmarks start their edgellm workers with it; scripts that start a Python process of their own for
+    `Generator` can too). Unchanged where nothing would be re-executed."""
+    value = tunables_with_huge_pages(environ, thp_mode(), glibc_version())
+    return dict(environ) if value is None else {**environ, "GLIBC_TUNABLES": value}
+
+
 def relaunch_with_huge_pages(argv: list[str]) -> None:
     """Replace this process by the same command line with huge pages asked for, when `argv` (the command line
     after the program) names a verb in VERBS and it would help; otherwise return and let the caller go on."""
     if not argv or argv[0] not in VERBS or not sys.executable or not getattr(sys, "orig_argv", None):
         return
-    value = tunables_with_huge_pages(os.environ, thp_mode(), glibc_version())
-    if value is None:
+    env = environment_with_huge_pages(os.environ)
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
         return
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         # the interpreter by its full path (argv[0] may be a bare "python" that a changed PATH resolves elsewhere),
         # then its own options, script or -m, and arguments as given
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "GLIBC_TUNABLES": value})
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:
         return  # no exec here (a sandbox): run in 4 KiB pages, as without this module
