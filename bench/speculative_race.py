@@ -81,15 +81,18 @@ def _start(ctx, path: Path, threads: int, k: int, huge_pages: bool):
     """A worker process for one system (spawned: glibc reads its tunables as the new interpreter starts)."""
     from edgellm.cli.hugepages import environment_with_huge_pages
 
-    saved = dict(os.environ)
-    if huge_pages:
-        os.environ.update(environment_with_huge_pages(os.environ))
+    saved = os.environ.get("GLIBC_TUNABLES")
+    wanted = environment_with_huge_pages(os.environ).get("GLIBC_TUNABLES") if huge_pages else saved
     try:
+        if wanted is not None:
+            os.environ["GLIBC_TUNABLES"] = wanted
         parent, child = ctx.Pipe()
         ctx.Process(target=_worker, args=(str(path), threads, k, child), daemon=True).start()
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        if saved is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
     ready, huge = parent.recv()
     assert ready == "ready"
     print(f"  {path.name}: loaded, {huge:.0f} MiB in huge pages", file=sys.stderr)
