@@ -16,7 +16,7 @@ from edgellm.runtime.drafting import PromptLookup
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams, filtered, softmax
-from edgellm.runtime.speculative import accept_greedy, accept_sampled
+from edgellm.runtime.speculative import DECAY, Adaptive, accept_greedy, accept_sampled
 from tests.export_helpers import tiny_model
 
 OPTIONS = dict(max_seq=96, prefill_chunk=8)
@@ -172,6 +172,27 @@ def test_accept_greedy() -> None:
     assert accept_greedy([3, 5, 1], rows) == (3, 8)   # all accepted, then the bonus row's argmax
     assert accept_greedy([3, 4, 1], rows) == (1, 5)   # stops at the first disagreement, with the target's token
     assert accept_greedy([], rows) == (0, 3)
+
+
+def test_adaptive_counts_breaks_not_the_unaccepted_tail() -> None:
+    # the chance a draft token is accepted = hits / (hits + breaks), each decayed per verification; a draft
+    # accepted whole is no evidence against a longer one
+    a = Adaptive(k_max=8, timed=False)
+    hits, breaks = a.hits, a.breaks
+    for k, accepted in [(4, 4), (6, 6), (8, 2), (4, 4)]:
+        a.verified(k, accepted, 0.0)
+        hits, breaks = DECAY * hits + accepted, DECAY * breaks + (accepted < k)
+        assert a.rate == pytest.approx(hits / (hits + breaks))
+    assert a.rate > 0.85  # the accepted/drafted EMA it replaced gave 0.78 here, and 5-token drafts next
+    assert a.budget() == 8  # every draft but one accepted whole: the longest drafts pay most
+    failures = 0
+    while a.budget() > 0:  # drafts that keep failing: the chance falls until a draft costs more than it wins
+        a.verified(8, 0, 0.0)
+        failures += 1
+        assert failures < 30
+    assert failures >= 5  # one failure after a run of whole accepts does not stop drafting
+    assert [a.budget() for _ in range(8)] == [0] * 8  # the pause
+    assert a.budget() > 0  # then a probe, from an even guess
 
 
 def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
