@@ -195,6 +195,22 @@ def test_adaptive_counts_breaks_not_the_unaccepted_tail() -> None:
     assert a.budget() > 0  # then a probe, from an even guess
 
 
+def test_adaptive_interpolates_the_measured_verification_costs() -> None:
+    a = Adaptive(k_max=8)
+    assert a.cost(4) == pytest.approx(1.4)  # nothing measured: the fixed guess
+    a.timed_step(0.010)
+    a.verified(2, 2, 0.100)  # the first verification at a k is not a measurement (one-time costs)
+    assert a.cost(2) == pytest.approx(1.2)
+    a.verified(6, 6, 0.100)
+    a.verified(2, 2, 0.012)  # 1.2 plain steps
+    a.verified(6, 6, 0.026)  # 2.6
+    assert [a.cost(k) for k in (2, 6)] == pytest.approx([1.2, 2.6])  # measured: as measured
+    assert a.cost(1) == pytest.approx(1.1)  # between a plain step (k = 0) and k = 2
+    assert a.cost(4) == pytest.approx(1.9)  # between k = 2 and k = 6
+    assert a.cost(8) == pytest.approx(3.3)  # past k = 6: that segment's 0.35 per draft row, not the guess's 0.1
+    assert Adaptive(k_max=8, timed=False).cost(4) == pytest.approx(1.4)  # untimed: tokens alone decide k
+
+
 def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
     """How often each token came first out of `accept_sampled` over n trials (one draft per trial)."""
     rng = np.random.default_rng(seed)
