@@ -92,32 +92,42 @@ class Adaptive:
         """`timed` False: costs from the fixed model only, so k (and with sampling, the random draws each k
         consumes) depends on the tokens alone: a seed reproduces the text."""
         self.k_max, self.timed, self.base_pause, self.max_pause = k_max, timed, pause, max_pause
-        self.rate = 0.7                 # a draft token's chance to be accepted: hits / (hits + breaks)
         self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
         self.step_s: float | None = None  # EMA seconds of a plain step
         self.row_s: dict[int, float] = {}  # k -> EMA seconds of a verification of k drafts (from the second on)
         self.warm: set[int] = set()       # the k verified once already
         self.pause, self.wait = pause, 0
 
-    def cost(self, k: int) -> float:
-        """A verification of k drafts in plain steps, from the measured ones: piecewise linear through (0, 1) and
-        every k drafted so far, past the largest with its last segment's slope (1 + 0.1 k before any is measured).
-        A fixed guess for the k not drafted yet made int4, where a draft row costs ~0.3 plain steps, try every k
-        up to 8 once at a loss (measured against that guess, SmolLM2-135M, 6 alternating rounds: int4 repeat / code
-        edit / explain 1.11 / 1.09 / 1.08x, the other tasks 0.97-1.02x; fp32 0.95-1.02x)."""
-        if not self.timed or self.step_s is None or not self.row_s:
-            return 1.0 + 0.1 * k
-        points = [(0, 1.0)] + sorted((j, max(t / self.step_s, 1.0)) for j, t in self.row_s.items())
-        for (k0, c0), (k1, c1) in zip(points, points[1:], strict=False):
-            if k <= k1:
-                return c0 + (c1 - c0) * (k - k0) / (k1 - k0)
-        (k0, c0), (k1, c1) = points[-2], points[-1]
-        return c1 + max(c1 - c0, 0.0) * (k - k1) / (k1 - k0)
+    @property
+    def rate(self) -> float:
+        """A draft token's chance to be accepted."""
+        return self.hits / (self.hits + self.breaks)
 
-    def gain(self, k: int) -> float:
+    def costs(self) -> list[float]:
+        """[k] -> a verification of k drafts in plain steps, k = 0..k_max, from the measured ones: piecewise linear
+        through (0, 1) and every k drafted so far, past the largest with its last segment's slope (1 + 0.1 k before
+        any is measured). A fixed guess for the k not drafted yet made int4, where a draft row costs ~0.3 plain
+        steps, try every k up to 8 once at a loss (measured against that guess, SmolLM2-135M, 6 alternating rounds:
+        int4 repeat / code edit / explain 1.11 / 1.09 / 1.08x, the other tasks 0.97-1.02x; fp32 0.95-1.02x)."""
+        if not self.timed or self.step_s is None or not self.row_s:
+            return [1.0 + 0.1 * k for k in range(self.k_max + 1)]
+        points = [(0, 1.0)] + sorted((j, max(t / self.step_s, 1.0)) for j, t in self.row_s.items())
+        out, i = [], 1
+        for k in range(self.k_max + 1):
+            while i < len(points) - 1 and k > points[i][0]:
+                i += 1  # the segment ending at the first measured k >= k (the last one past them all)
+            (k0, c0), (k1, c1) = points[i - 1], points[i]
+            slope = (c1 - c0) / (k1 - k0)
+            out.append(c0 + slope * (k - k0) if k <= k1 else c1 + max(slope, 0.0) * (k - k1))
+        return out
+
+    def cost(self, k: int) -> float:
+        return self.costs()[k]
+
+    def gain(self, k: int, costs: list[float] | None = None) -> float:
         """Expected tokens per plain step's time with k drafts (1 = plain decoding)."""
         a = min(self.rate, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a) / self.cost(k)
+        return (1 - a ** (k + 1)) / (1 - a) / (costs or self.costs())[k]
 
     def budget(self) -> int:
         if self.timed and self.step_s is None:
@@ -125,10 +135,11 @@ class Adaptive:
         if self.wait > 0:
             self.wait -= 1
             return 0
-        best = max(range(1, self.k_max + 1), key=self.gain)
-        if self.gain(best) < 1.0:
+        costs = self.costs()  # once per step, not once per k
+        best = max(range(1, self.k_max + 1), key=lambda k: self.gain(k, costs))
+        if self.gain(best, costs) < 1.0:
             self.wait, self.pause = self.pause, min(2 * self.pause, self.max_pause)
-            self.hits, self.breaks, self.rate = 1.0, 1.0, 0.5  # the probe after the pause starts from an even guess
+            self.hits, self.breaks = 1.0, 1.0  # the probe after the pause starts from an even guess
             return 0
         return best
 
@@ -138,7 +149,6 @@ class Adaptive:
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         self.hits = DECAY * self.hits + accepted
         self.breaks = DECAY * self.breaks + (accepted < k)
-        self.rate = self.hits / (self.hits + self.breaks)
         if k not in self.warm:  # the first verification at each k pays one-time costs (a variant's first Run)
             self.warm.add(k)
         else:
