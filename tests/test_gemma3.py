@@ -243,3 +243,13 @@ def test_chat_on_ring_caches_matches_transformers(tmp_path):
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     layers = report["variants"][0]["per_layer"]["layers"]
     assert max(layer[kv]["max_abs"] for layer in layers for kv in ("key", "value")) < 1e-3
+
+
+def test_info_on_a_checkpoint_prints_the_layer_types(tmp_path, capsys):
+    """`edgellm info` on a Gemma 3 checkpoint of 8 layers shows the ends of its layer types (strings: a long list
+    of numbers is shown the same way)."""
+    from edgellm.cli import main
+
+    save_gemma(tmp_path / "hf", num_hidden_layers=8, layer_types=TYPES * 2)
+    assert main(["info", str(tmp_path / "hf")]) == 0
+    assert "layer_types: [sliding, sliding, full, ..., full, sliding] (8 values)" in capsys.readouterr().out

@@ -25,9 +25,11 @@ def _disk_bytes(path: Path) -> int:
 
 
 def _value(value: object) -> str:
-    if isinstance(value, (list, tuple)) and len(value) > 6:  # LongRoPE factors: show the ends
-        head = ", ".join(f"{v:g}" for v in value[:3])
-        tail = ", ".join(f"{v:g}" for v in value[-2:])
+    if isinstance(value, (list, tuple)) and len(value) > 6:  # LongRoPE factors, Gemma 3's layer types: the ends
+        def one(v: object) -> str:
+            return f"{v:g}" if isinstance(v, float) else str(v)
+        head = ", ".join(one(v) for v in value[:3])
+        tail = ", ".join(one(v) for v in value[-2:])
         return f"[{head}, ..., {tail}] ({len(value)} values)"
     return str(value)
 
