@@ -67,6 +67,23 @@ def spm_vocab(size: int = 330) -> dict[str, Any]:
     return dict(model="llama", tokens=tokens, scores=scores, types=types, bos=1, eos=2, add_bos=None)
 
 
+def gemma_vocab(size: int = 330) -> dict[str, Any]:
+    """Gemma style: pieces learned without a prefix space (add_space_prefix false), runs of spaces stored as
+    spaces, no merges, and scores that do not follow the file order (readers must rank merges by position)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+    trainer = trainers.BpeTrainer(vocab_size=size - 259, show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    pieces = [t.replace("▁", " ") if set(t) == {"▁"} and len(t) > 1 else t
+              for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<pad>", "<eos>", "<bos>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces = [p for p in pieces if p not in tokens] + [s for s in ("  ", "   ") if s not in pieces]
+    tokens += pieces
+    scores = [0.0] * 259 + [float((i * 7919) % len(pieces)) for i in range(len(pieces))]
+    types = [3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return dict(model="llama", tokens=tokens, scores=scores, types=types, bos=2, eos=1, add_bos=True)
+
+
 def hf_model(family: str, vocab: int, seed: int = 0, **over) -> torch.nn.Module:
     """A seeded transformers model with randomised norms/biases; GQA and sizes that quantize (rows % 32)."""
     fields = dict(vocab_size=vocab, hidden_size=96, intermediate_size=160, num_hidden_layers=2,

@@ -14,7 +14,17 @@ from edgellm.loaders.gguf_file import GGUFFile
 from edgellm.loaders.gguf_tokenizer import write_tokenizer
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.tokenizer import load_tokenizer
-from tests.gguf_helpers import TEMPLATE, TEXTS, bpe_vocab, hf_model, reference, spm_vocab, write_gguf
+from tests.gguf_helpers import (
+    TEMPLATE,
+    TEXTS,
+    bpe_vocab,
+    gemma_vocab,
+    hf_model,
+    reference,
+    spm_vocab,
+    transformers,
+    write_gguf,
+)
 
 CASES = {  # name -> (vocab builder, metadata overrides, BOS added?)
     "bpe-gpt2-regex": (lambda: bpe_vocab(pre="smollm"), {}, False),
@@ -22,13 +32,17 @@ CASES = {  # name -> (vocab builder, metadata overrides, BOS added?)
     "bpe-add-bos": (bpe_vocab, {"tokenizer.ggml.add_bos_token": True}, True),
     "spm-scores": (spm_vocab, {}, True),  # no add_bos_token key: a llama vocabulary adds BOS
     "spm-no-bos": (spm_vocab, {"tokenizer.ggml.add_bos_token": False}, False),
+    # Gemma: no prefix space ("The" is `The`, not `▁The`), merges ranked by file position, not by score
+    "spm-gemma": (gemma_vocab, {"tokenizer.ggml.add_space_prefix": False}, True),
 }
+ARCH = {"spm-gemma": "gemma3"}
 
 
 def _files(tmp_path, case):
     build, meta, _ = CASES[case]
     v = build()
-    path = write_gguf(tmp_path / "t.gguf", hf_model("qwen2", len(v["tokens"])), "qwen2", v, meta=meta)
+    path = write_gguf(tmp_path / "t.gguf", hf_model("qwen2", len(v["tokens"])), "qwen2", v, meta=meta,
+                      arch=ARCH.get(case))
     with GGUFFile(path) as g:
         tok_json = write_tokenizer(g)
     return path, tok_json, v
@@ -37,15 +51,16 @@ def _files(tmp_path, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_ids_match_transformers(tmp_path, case):
     path, tok_json, v = _files(tmp_path, case)
-    _, ref = reference(path)
+    ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ours = tokenizers.Tokenizer.from_file(str(tok_json))
-    for text in TEXTS:
+    for text in TEXTS + ["The end", "runs   of    spaces"]:
         want = ref(text).input_ids
         assert ours.encode(text).ids == want, text
-        assert want == [1] * CASES[case][2] + ref(text, add_special_tokens=False).input_ids, text
+        assert want == [v["bos"]] * CASES[case][2] + ref(text, add_special_tokens=False).input_ids, text
+        assert ours.decode(want, skip_special_tokens=True) == ref.decode(want, skip_special_tokens=True), text
     config = json.loads((tok_json.parent / "tokenizer_config.json").read_text())
     assert config["add_bos_token"] is CASES[case][2]
-    assert (config["bos_token"], config["eos_token"]) == (v["tokens"][1], v["tokens"][2])
+    assert (config["bos_token"], config["eos_token"]) == (v["tokens"][v["bos"]], v["tokens"][v["eos"]])
 
 
 @pytest.mark.parametrize("case", ["bpe-gpt2-regex", "spm-scores"])

@@ -6,7 +6,11 @@ GGUF conversion builds it (transformers/integrations/gguf/gguf_tokenizer_mapping
   "gpt2"  byte-level BPE: `tokens` (respelled into the byte alphabet when they are not), `merges`, a
           ByteLevel pre-tokenizer, or the split regex of the `pre` name when transformers knows it.
   "llama" SentencePiece BPE: `tokens` as the file spells them, merges from the file or derived from
-          `scores` (transformers' generate_merges), byte fallback, Metaspace with prepend_scheme "first".
+          `scores` (transformers' generate_merges), byte fallback, Metaspace with prepend_scheme "first", or
+          "never" when `tokenizer.ggml.add_space_prefix` is false (Gemma: "The" at the start is `The`, not
+          `▁The`). Gemma files (general.architecture gemma*) list no merges and their scores do not follow the
+          merge order: merges are ranked by file position and all-space tokens respelled with `▁`, as
+          transformers' gemma_tokenizer does.
 Control tokens (token_type 3) become special added tokens, user-defined ones (4) plain added tokens.
 
 The BOS rule travels both ways a reader may look: the post-processor adds BOS exactly when
@@ -89,13 +93,21 @@ def _byte_level(meta: dict[str, Any]) -> Tokenizer:
     return tok
 
 
+GEMMA = ("gemma", "gemma2", "gemma3")
+
+
 def _sentencepiece(meta: dict[str, Any]) -> Tokenizer:
+    if meta["arch"] in GEMMA:  # a run of spaces is stored as spaces but looked up as ▁s; merges in file order
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in meta["tokens"]]
+        meta = {**meta, "tokens": tokens, "merges": None, "scores": [-float(i) for i in range(len(tokens))]}
     vocab = {t: i for i, t in enumerate(meta["tokens"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(meta, vocab), fuse_unk=True, byte_fallback=True,
                                dropout=None))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1, right=0)])
+    prefix = meta["space_prefix"]
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
     return tok
 
 
@@ -111,7 +123,8 @@ def _metadata(g: GGUFFile) -> dict[str, Any]:
          f"{g.path}: tokenizer.ggml.tokens must be a non-empty list of strings")
     meta = {"path": g.path, "model": kind, "tokens": tokens, "pre": g.get("tokenizer.ggml.pre"),
             "merges": g.get("tokenizer.ggml.merges"), "scores": g.get("tokenizer.ggml.scores"),
-            "token_type": g.get("tokenizer.ggml.token_type") or []}
+            "token_type": g.get("tokenizer.ggml.token_type") or [], "arch": g.get("general.architecture"),
+            "space_prefix": bool(g.get("tokenizer.ggml.add_space_prefix", True))}
     for key in ("scores", "token_type"):
         count = len(meta[key] or ())
         need(count in (0, len(tokens)), f"{g.path}: tokenizer.ggml.{key} has {count} entries for {len(tokens)} tokens")
