@@ -21,10 +21,13 @@ from edgellm.runtime.kvcache import write_ring, write_rows
 
 
 def _embed_lookup(table: Tensor, tokens: Tensor, tied: bool, scale: float) -> Tensor:
-    """tokens [1,S] -> [1,S,D]. Tied: gather columns of table.T [D,V], the very initializer the head's
-    MatMul(x, W[D,V]) uses, so the table is stored once; untied: a plain row Gather of [V,D]."""
+    """tokens [1,S] -> [1,S,D], a row Gather of the [V,D] table. Tied: Gather(E, ids [S], axis=0), the very
+    initializer the head's Gemm(h, E, transB=1) reads, so the table is stored once (quant/tied.py finds this
+    form). Until 2026-11-26 the table was stored as the head's E^T [D,V] and the lookup gathered a column of
+    it: D pages per token, so the whole table stayed resident beside the head's packed copy, and releasing
+    it cost 5 % of an fp32 SmolLM2 decode step (docs/design.md)."""
     if tied:
-        h = table.t().index_select(1, tokens.reshape(-1)).t().unsqueeze(0)
+        h = table.index_select(0, tokens.reshape(-1)).unsqueeze(0)
     else:
         h = F.embedding(tokens, table)
     return h * scale if scale != 1.0 else h
@@ -66,12 +69,16 @@ class HeadGraph(nn.Module):
         super().__init__()
         self.norm = model.norm
         self.width_scale = model.cfg.width_scale
-        self.out = model.embed if model.cfg.tie_embeddings else model.lm_head
+        self.tied = model.cfg.tie_embeddings
+        self.out = model.embed if self.tied else model.lm_head
 
     def forward(self, hidden: Tensor) -> Tensor:
         h = self.norm(hidden)
         if self.width_scale != 1.0:
             h = h / self.width_scale
+        if self.tied:  # [S,D] rows: exported as Gemm(h, E [V,D], transB=1), E shared with the row lookup
+            w = self.out.weight
+            return F.linear(h.reshape(-1, w.shape[1]), w).reshape(1, -1, w.shape[0])
         return F.linear(h, self.out.weight)  # exported as MatMul(h, W.T) with W.T folded to [D,V]
 
 

@@ -72,7 +72,8 @@ def fold_weight_transposes(model: ir.Model) -> int:
     """Transpose(initializer) -> a transposed initializer; returns the folds made.
 
     The exporter's optimizer folds W.T for a Linear, but not when the Transpose output has several users
-    (the tied [D,V] table feeding both the head MatMul and the embedding Gather in the "model" graph).
+    (the tied table's E^T feeding both the head MatMul and the embedding Gather in the "model" graph of
+    exports before 2026-11-26; today the head reads E itself, Gemm transB=1).
     """
     graph, folded = model.graph, 0
     for node in list(graph):

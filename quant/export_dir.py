@@ -136,8 +136,9 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
             calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update, hessians)
         log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences sampled by the fp32 export")
     promoted = _promotions(src, manifest, options, calib, progress, log) if options.int8_fraction else frozenset()
+    tied = frozenset({"embed.weight"}) if manifest.config.get("tie_embeddings") else frozenset()
     plan = options.plan(manifest.n_layers, calib.act_scales if calib else None,
-                        calib.hessians if calib and options.method == "gptq" else None, promoted)
+                        calib.hessians if calib and options.method == "gptq" else None, promoted, tied)
     migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports

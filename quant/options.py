@@ -170,10 +170,11 @@ class QuantizeOptions:
         return choose
 
     def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,
-             hessians: Mapping[str, np.ndarray] | None = None, promoted: frozenset[str] = frozenset()) -> QuantPlan:
+             hessians: Mapping[str, np.ndarray] | None = None, promoted: frozenset[str] = frozenset(),
+             tied: frozenset[str] = frozenset()) -> QuantPlan:
         return QuantPlan(self.chooser(n_layers, promoted), self.format, self.accuracy_level, dict(act_scales or {}),
                          dict(hessians or {}), self.act_order, tight_channel_blocks=True,
-                         fp16_scales=self.fp16_scales)
+                         fp16_scales=self.fp16_scales, tied=tied)
 
     @property
     def calibrated(self) -> bool:

@@ -87,6 +87,9 @@ class QuantPlan:
     # scales rounded to float16 (codes re-rounded on that grid); the fast format then stores them as fp16
     # and a Cast feeds MatMulNBits (onnxruntime folds it when the session is created: same kernels)
     fp16_scales: bool = False
+    # tables the lm_head also reads (a tied model's embed.weight): their row lookups are quant/tied.py's, which
+    # gathers the lm_head's quantized codes, not a second table of rewrite.py's own
+    tied: frozenset[str] = frozenset()
     memo: dict = field(default_factory=dict, compare=False, repr=False)   # see `quantize`
 
     def __post_init__(self) -> None:

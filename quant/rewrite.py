@@ -209,7 +209,7 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
     uses: dict[tuple[str, str], list[int]] = {}             # (initializer, layout) -> node indices
     for i, node in enumerate(nodes):
         hit = _weight_use(node, inits)
-        if hit is not None:
+        if hit is not None and not (hit[1] == "rows" and hit[0] in plan.tied):  # tied lookups: quant/tied.py
             uses.setdefault(hit, []).append(i)
 
     b = _Builder(graph)

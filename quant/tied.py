@@ -1,8 +1,10 @@
 """The tied embedding: row lookups in the table the lm_head multiplies by, quantized without a second table.
 
-A tied export stores the table once, as the head's MatMul weight E^T [D, V], and the embedding reads
-columns of it: `Gather(E^T, ids [S], axis=1) -> [D, S]` (export/graphs.py `_embed_lookup`), a form the
-generic rewrite leaves alone. Here that Gather becomes a lookup in the quantized codes:
+A tied export stores the table once, E [V, D]: the head reads it as `Gemm(h, E, transB=1)` and the embedding
+gathers rows of it, `Gather(E, ids [S], axis=0) -> [S, D]` (export/graphs.py `_embed_lookup`; the plan names
+it in `QuantPlan.tied`, so the generic rewrite leaves the lookup alone). Exports before 2026-11-26 stored
+E^T [D, V] for a MatMul head and gathered columns, `Gather(E^T, ids, axis=1) -> [D, S]`: still read. Here
+either Gather becomes a lookup in the quantized codes:
   shared   the lm_head is quantized and the format can gather its codes (fast: any bits and block;
            portable: 8 bits): the Gather reads the lm_head's very initializers (same names, same bytes),
            so the data file holds the table once and both uses see the same dequantized values;
@@ -11,10 +13,12 @@ generic rewrite leaves alone. Here that Gather becomes a lookup in the quantized
 Both formats dequantize only the S gathered rows:
   fast      B [V, nb, bs*bits/8] uint8 (MatMulNBits layout) --Gather(ids)--> [S, nb, .] --Cast-->
             (4 bits: hi = Floor(x / 16), lo = x - 16 hi, interleaved lo first -> [S, nb, bs])
-            --Sub zp, Mul scale [S, nb, 1]--> Reshape [S, nb*bs] --Slice [:D]--> Transpose --> [D, S]
-            (plain ONNX ops, no com.microsoft GatherBlockQuantized: same numerics on every version)
+            --Sub zp, Mul scale [S, nb, 1]--> Reshape [S, nb*bs] --Slice [:D]--> [S, D] (--Transpose--> [D, S]
+            for a column lookup) (plain ONNX ops, no com.microsoft GatherBlockQuantized: same numerics on every
+            version)
   portable  X [D, V] int8 (DequantizeLinear layout) --Gather(ids, axis=1)--> [D, S]
             --DequantizeLinear(Gather(scale [V] | [nb, V], axis=-1), Gather(zp)?, axis=1 | 0 + block)
+            (--Transpose--> [S, D] for a row lookup)
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from .plan import QuantPlan, WeightReport, WeightSite
 from .schemes import QuantizedWeight, fp16_exact, to_dequantize_linear
 
 
-def _tied_gathers(graph: onnx.GraphProto) -> list[tuple[int, str]]:
-    """(node index, table name) of every Gather(axis=1) reading a 2-D float32 initializer."""
+def _tied_gathers(graph: onnx.GraphProto, tied: frozenset[str]) -> list[tuple[int, str, bool]]:
+    """(node index, table name, rows?) of every tied lookup in a 2-D float32 initializer: Gather(axis=0) of a
+    table in `tied` (rows), or Gather(axis=1) of any (columns of E^T, the layout before 2026-11-26)."""
     inits = {t.name: t for t in graph.initializer}
     found = []
     for i, node in enumerate(graph.node):
@@ -39,8 +44,10 @@ def _tied_gathers(graph: onnx.GraphProto) -> list[tuple[int, str]]:
             continue
         axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
         t = inits.get(node.input[0])
-        if axis == 1 and t is not None and t.data_type == TensorProto.FLOAT and len(t.dims) == 2:
-            found.append((i, node.input[0]))
+        if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2:
+            continue
+        if axis == 1 or (axis == 0 and node.input[0] in tied):
+            found.append((i, node.input[0], axis == 0))
     return found
 
 
@@ -70,7 +77,7 @@ class _Inits:
 
 
 def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: QuantPlan, inits: _Inits,
-                d: int) -> tuple[list[onnx.NodeProto], int]:
+                d: int, rows_out: bool) -> tuple[list[onnx.NodeProto], int]:
     arr = plan.nbits(qw)
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     nb, bs = arr.b.shape[1], arr.block_size
@@ -123,15 +130,18 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
         ends = inits.add(f"{base}.dim", np.array([d], np.int64))
         one = inits.add(f"{base}.one1", np.array([1], np.int64))
         nodes.append(helper.make_node("Slice", [rows, starts, ends, one], [t["rows"]], name=f"{p}/unpad"))
-        rows = t["rows"]
-    nodes.append(helper.make_node("Transpose", [rows], [out], name=f"{p}/t", perm=[1, 0]))   # [D, S]
+    if rows_out:                                           # [S, D]: the last node writes the Gather's output
+        nodes[-1].output[0] = out
+    else:
+        nodes.append(helper.make_node("Transpose", [nodes[-1].output[0]], [out], name=f"{p}/t", perm=[1, 0]))
     return nodes, stored
 
 
-def _portable_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str,
-                    inits: _Inits) -> tuple[list[onnx.NodeProto], int]:
+def _portable_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, inits: _Inits,
+                    rows_out: bool) -> tuple[list[onnx.NodeProto], int]:
     arr = to_dequantize_linear(qw)                # x [D, V]; scale, zp? [V] per-axis or [nb, V] block-wise
-    ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
+    ids, p = node.input[1], node.name or node.output[0]
+    out = f"{node.output[0]}/cols" if rows_out else node.output[0]
     x, scale = inits.add(f"{base}.q", arr.x), inits.add(f"{base}.scale", arr.scale)
     stored = arr.x.nbytes + arr.scale.nbytes
     nodes = [helper.make_node("Gather", [x, ids], [f"{out}/q"], name=f"{p}/q", axis=1),
@@ -144,6 +154,8 @@ def _portable_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str,
         dq_in.append(f"{out}/zp")
     block = {"axis": 0, "block_size": arr.block_size} if arr.block_size else {"axis": 1}
     nodes.append(helper.make_node("DequantizeLinear", dq_in, [out], name=f"{p}/dequant", **block))
+    if rows_out:
+        nodes.append(helper.make_node("Transpose", [out], [node.output[0]], name=f"{p}/t", perm=[1, 0]))
     return nodes, stored
 
 
@@ -156,10 +168,10 @@ def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[Weigh
     graph = model.graph
     inits = _Inits(graph)
     reports, replace = [], {}
-    for i, name in _tied_gathers(graph):
+    for i, name, rows in _tied_gathers(graph, plan.tied):
         node = graph.node[i]
-        table = numpy_helper.to_array(inits.by_name[name])          # E^T [D, V]
-        w = np.ascontiguousarray(table.T)                             # canonical [V, D] = the lm_head's [N, K]
+        table = numpy_helper.to_array(inits.by_name[name])          # E [V, D] (rows) or E^T [D, V]
+        w = np.ascontiguousarray(table if rows else table.T)          # canonical [V, D] = the lm_head's [N, K]
         module = name[: -len(".weight")] if name.endswith(".weight") else name
         site = WeightSite(name, "Gather", node.name, module, w.shape)
         spec = plan.choose(site)
@@ -175,9 +187,9 @@ def quantize_tied_gathers(model: onnx.ModelProto, plan: QuantPlan) -> list[Weigh
         qw, err = plan.quantize(use_site, w, use_spec)
         base = name if shared else f"{name}.rows"
         if plan.format == "fast":
-            nodes, stored = _fast_nodes(node, qw, base, plan, inits, w.shape[1])
+            nodes, stored = _fast_nodes(node, qw, base, plan, inits, w.shape[1], rows)
         else:
-            nodes, stored = _portable_nodes(node, qw, base, inits)
+            nodes, stored = _portable_nodes(node, qw, base, inits, rows)
         replace[i] = nodes
         reports.append(WeightReport(name, module, "Gather", w.shape, plan.label(use_site, use_spec), w.nbytes,
                                     0 if shared else stored, err.max_abs_err, err.rel_rms_err,

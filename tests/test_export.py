@@ -118,7 +118,7 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
     for stem, file in (("layer_0", "layer_0.decode.onnx"), ("head", "head.onnx")):  # head.onnx: paired
         proto = load_graph(out / file)
         inits = {t.name: t for t in proto.graph.initializer}
-        b_inputs = [n.input[1] for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+        b_inputs = [n.input[1] for n in proto.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]
         assert all(len(inits[b].dims) == 2 for b in b_inputs)
         transposed_weights = [n for n in proto.graph.node if n.op_type == "Transpose" and n.input[0] in inits]
         assert not transposed_weights
@@ -126,14 +126,19 @@ def test_weights_are_quantizer_ready_and_stored_once(cli_export):
             assert sorted(b_inputs) == ["layers.0.attn.o.weight", "layers.0.attn.qkv.weight",
                                         "layers.0.mlp.down.weight", "layers.0.mlp.gate_up.weight"]
             assert list(inits["layers.0.attn.qkv.weight"].dims) == [D, 128]
-        else:
-            assert b_inputs == ["embed.weight"] and list(inits["embed.weight"].dims) == [D, V]
-    # tied: the embedding graph gathers from the head's table in head.data; no second copy anywhere
+        else:  # tied: Gemm(h, E [V, D], transB=1), E the state dict's table as it is
+            (gemm,) = [n for n in proto.graph.node if n.op_type == "Gemm"]
+            assert {a.name: a.i for a in gemm.attribute}.get("transB") == 1
+            assert b_inputs == ["embed.weight"] and list(inits["embed.weight"].dims) == [V, D]
+    # tied: the embedding graph gathers rows of the head's table in head.data; no second copy anywhere
     where = externals(load_graph(out / "head.onnx"))["embed.weight"]
-    assert externals(load_graph(out / "embed.decode.onnx"))["embed.weight"] == where
+    embed = load_graph(out / "embed.decode.onnx")
+    assert externals(embed)["embed.weight"] == where
+    (gather,) = [n for n in embed.graph.node if n.op_type == "Gather" and n.input[0] == "embed.weight"]
+    assert {a.name: a.i for a in gather.attribute}.get("axis", 0) == 0  # a token reads one row, not D pages
     assert not (out / "embed.data").exists() and (out / "head.data").stat().st_size < 2 * V * D * 4
-    table = np.fromfile(out / "head.data", np.float32, V * D, offset=where[1]).reshape(D, V)
-    np.testing.assert_array_equal(table, model.embed.weight.detach().numpy().T)
+    table = np.fromfile(out / "head.data", np.float32, V * D, offset=where[1]).reshape(V, D)
+    np.testing.assert_array_equal(table, model.embed.weight.detach().numpy())
     # a unit's data file holds state-dict tensors only; small graph constants (shapes) stay in the .onnx, the
     # RoPE tables are read from the one copy every layer shares (rope.data)
     ext = externals(load_graph(out / "layer_1.prefill.onnx"))
