@@ -54,7 +54,7 @@ from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, argmax_checked, sample
 from .session import RunClock, SessionConfig
-from .speculative import DRAFT_TOKENS, Stats, configure, speculation_off, speculative_tokens
+from .speculative import DRAFT_TOKENS, Costs, Stats, configure, speculation_off, speculative_tokens
 from .stats import make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -79,6 +79,7 @@ class Generator:
         self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
         self.speculative, self.draft_tokens, self._draft = "off", DRAFT_TOKENS, None  # see speculate()
+        self._costs = Costs()  # verification costs measured on this engine, kept across generations
 
     @classmethod
     def open(cls, directory: str | Path, threads: int | None = None, *, config: SessionConfig | None = None,
@@ -104,10 +105,12 @@ class Generator:
         return cls(directory, manifest, tokenizer, config, template)
 
     def speculate(self, speculative: str = "lookup", draft: str | Path | None = None,
-                  draft_tokens: int = DRAFT_TOKENS, config: SessionConfig | None = None) -> None:
+                  draft_tokens: int = DRAFT_TOKENS, config: SessionConfig | None = None, timed: bool = True) -> None:
         """Speculative decoding on ("lookup": prompt lookup; "draft": the export `draft`, same tokenizer, as the
-        drafter; up to `draft_tokens` drafts per verification) or "off" (runtime/speculative.py `configure`)."""
-        configure(self, speculative, draft, draft_tokens, config)
+        drafter; up to `draft_tokens` drafts per verification) or "off" (runtime/speculative.py `configure`).
+        `timed` False: how many tokens to draft follows from the tokens alone, not from measured step times
+        (the same drafts on any machine and load; greedy text is plain decoding's either way)."""
+        configure(self, speculative, draft, draft_tokens, config, timed)
 
     # ------------------------------------------------------------------------------------------ prompts
 

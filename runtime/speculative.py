@@ -16,7 +16,7 @@ Acceptance (row i of the verification = the target's logits after the last token
   Either way every emitted token is distributed exactly as plain sampling's.
 
 `Adaptive` keeps speculation from costing time: the chance a draft token is accepted and the measured cost of a
-verification, drafting included (relative to a plain step), pick the k with the best expected tokens per unit of
+verification, drafting included (relative to a plain step; `Costs`, kept by the Generator), pick the k with the best expected tokens per unit of
 time; when even that is below a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing:
 text that starts free and then quotes its prompt gets back to drafting within a few dozen tokens). The chance is
 accepted tokens / (accepted tokens + breaks), decayed per verification: a draft accepted whole ends in no break, so
@@ -85,17 +85,54 @@ def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingPara
     return len(drafts), draw(target_probs(rows[len(drafts)], params, seen), rng)
 
 
-class Adaptive:
-    """How many tokens to draft next (0: a plain step), from the drafts' accept rate and the measured costs."""
+class Costs:
+    """What a verification of k drafts costs against a plain step, measured on one Generator's engine and kept
+    across its generations (the accept rate is the text's, the costs are the engine's): a later generation
+    drafts from its second token on, with the curve it had. The first verification at each k is not recorded:
+    it pays one-time costs (the variant's first Run; on SmolLM2 int4 ~10 % slower, on tiny models most of it)."""
 
-    def __init__(self, k_max: int, timed: bool = True, pause: int = 8, max_pause: int = 32) -> None:
-        """`timed` False: costs from the fixed model only, so k (and with sampling, the random draws each k
-        consumes) depends on the tokens alone: a seed reproduces the text."""
-        self.k_max, self.timed, self.base_pause, self.max_pause = k_max, timed, pause, max_pause
-        self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
+    def __init__(self) -> None:
         self.step_s: float | None = None  # EMA seconds of a plain step
         self.row_s: dict[int, float] = {}  # k -> EMA seconds of a verification of k drafts (from the second on)
         self.warm: set[int] = set()       # the k verified once already
+
+    def step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def verification(self, k: int, seconds: float) -> None:
+        if k not in self.warm:
+            self.warm.add(k)
+            return
+        old = self.row_s.get(k)
+        self.row_s[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def curve(self, k_max: int) -> list[float] | None:
+        """[k] -> a verification of k drafts in plain steps, k = 0..k_max: piecewise linear through (0, 1) and
+        every k measured so far, past the largest with its last segment's slope; None before any is measured.
+        A fixed guess for the k not drafted yet made int4, where a draft row costs ~0.3 plain steps, try every
+        k up to 8 once at a loss (measured against that guess, SmolLM2-135M, 6 alternating rounds: int4 repeat /
+        code edit / explain 1.11 / 1.09 / 1.08x, the other tasks 0.97-1.02x; fp32 0.95-1.02x)."""
+        if self.step_s is None or not self.row_s:
+            return None
+        points = [(0, 1.0)] + sorted((j, max(t / self.step_s, 1.0)) for j, t in self.row_s.items())
+        out, i = [], 1
+        for k in range(k_max + 1):
+            while i < len(points) - 1 and k > points[i][0]:
+                i += 1  # the segment ending at the first measured k >= k (the last one past them all)
+            (k0, c0), (k1, c1) = points[i - 1], points[i]
+            slope = (c1 - c0) / (k1 - k0)
+            out.append(c0 + slope * (k - k0) if k <= k1 else c1 + max(slope, 0.0) * (k - k1))
+        return out
+
+
+class Adaptive:
+    """How many tokens to draft next (0: a plain step), from the drafts' accept rate and the measured costs."""
+
+    def __init__(self, k_max: int, costs: Costs | None = None, pause: int = 8, max_pause: int = 32) -> None:
+        """`costs` None: untimed, costs from the fixed model 1 + 0.1 k only, so k (and with sampling, the random
+        draws each k consumes) depends on the tokens alone: a seed reproduces the text."""
+        self.k_max, self.measured, self.base_pause, self.max_pause = k_max, costs, pause, max_pause
+        self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
         self.pause, self.wait = pause, 0
 
     @property
@@ -104,22 +141,9 @@ class Adaptive:
         return self.hits / (self.hits + self.breaks)
 
     def costs(self) -> list[float]:
-        """[k] -> a verification of k drafts in plain steps, k = 0..k_max, from the measured ones: piecewise linear
-        through (0, 1) and every k drafted so far, past the largest with its last segment's slope (1 + 0.1 k before
-        any is measured). A fixed guess for the k not drafted yet made int4, where a draft row costs ~0.3 plain
-        steps, try every k up to 8 once at a loss (measured against that guess, SmolLM2-135M, 6 alternating rounds:
-        int4 repeat / code edit / explain 1.11 / 1.09 / 1.08x, the other tasks 0.97-1.02x; fp32 0.95-1.02x)."""
-        if not self.timed or self.step_s is None or not self.row_s:
-            return [1.0 + 0.1 * k for k in range(self.k_max + 1)]
-        points = [(0, 1.0)] + sorted((j, max(t / self.step_s, 1.0)) for j, t in self.row_s.items())
-        out, i = [], 1
-        for k in range(self.k_max + 1):
-            while i < len(points) - 1 and k > points[i][0]:
-                i += 1  # the segment ending at the first measured k >= k (the last one past them all)
-            (k0, c0), (k1, c1) = points[i - 1], points[i]
-            slope = (c1 - c0) / (k1 - k0)
-            out.append(c0 + slope * (k - k0) if k <= k1 else c1 + max(slope, 0.0) * (k - k1))
-        return out
+        """[k] -> a verification of k drafts in plain steps (`Costs.curve`; 1 + 0.1 k before any is measured)."""
+        curve = self.measured.curve(self.k_max) if self.measured is not None else None
+        return curve or [1.0 + 0.1 * k for k in range(self.k_max + 1)]
 
     def cost(self, k: int) -> float:
         return self.costs()[k]
@@ -130,8 +154,8 @@ class Adaptive:
         return (1 - a ** (k + 1)) / (1 - a) / (costs or self.costs())[k]
 
     def budget(self) -> int:
-        if self.timed and self.step_s is None:
-            return 0  # the first step is plain: costs are measured against it, never guessed
+        if self.measured is not None and self.measured.step_s is None:
+            return 0  # the engine's first step is plain: costs are measured against it, never guessed
         if self.wait > 0:
             self.wait -= 1
             return 0
@@ -144,16 +168,14 @@ class Adaptive:
         return best
 
     def timed_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+        if self.measured is not None:
+            self.measured.step(seconds)
 
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         self.hits = DECAY * self.hits + accepted
         self.breaks = DECAY * self.breaks + (accepted < k)
-        if k not in self.warm:  # the first verification at each k pays one-time costs (a variant's first Run)
-            self.warm.add(k)
-        else:
-            old = self.row_s.get(k)
-            self.row_s[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if self.measured is not None:
+            self.measured.verification(k, seconds)
         if accepted > 0:
             self.pause = self.base_pause
 
@@ -169,9 +191,9 @@ class Stats:
                 "verifications": self.verifications}
 
 
-def configure(gen, speculative: str, draft, draft_tokens: int, config) -> None:
+def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bool = True) -> None:
     """`Generator.speculate`: check the flags, open the draft export (its vocabulary and tokenizer file must be
-    the target's) and set the generator's mode."""
+    the target's) and set the generator's mode. `timed` False: k from the tokens alone (costs 1 + 0.1 k)."""
     from pathlib import Path
 
     from .errors import need
@@ -181,6 +203,7 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config) -> None:
          f"draft_tokens: expected an integer in 1..32, got {draft_tokens!r}")
     need((speculative == "draft") == (draft is not None), "draft: needed by `speculative` 'draft', and only there")
     gen.speculative, gen.draft_tokens = speculative, draft_tokens
+    gen._costs = Costs() if timed else None  # a draft export's steps are part of a verification's cost: new
     if speculative == "draft":
         from .drafting import DraftModel
 
@@ -202,7 +225,7 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
     may stop at any yield (close()): the cache is then rewound to that token's `valid`. `sampling` None:
     greedy acceptance."""
     engine, cache, history = gen.engine, gen.cache, gen._history
-    adaptive = Adaptive(k_max, timed=sampling is None)
+    adaptive = Adaptive(k_max, gen._costs if sampling is None else None)  # sampling: a seed reproduces the text
     drafter.reset(history[:cache.length].tolist())
     valid = cache.length
     emitted = 0

@@ -16,7 +16,7 @@ from edgellm.runtime.drafting import PromptLookup
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams, filtered, softmax
-from edgellm.runtime.speculative import DECAY, Adaptive, accept_greedy, accept_sampled
+from edgellm.runtime.speculative import DECAY, Adaptive, Costs, accept_greedy, accept_sampled
 from tests.export_helpers import tiny_model
 
 OPTIONS = dict(max_seq=96, prefill_chunk=8)
@@ -46,7 +46,7 @@ def llama(tmp_path_factory) -> Path:
 
 
 def greedy_ids(gen: Generator, mode: str, prompt=PROMPT, **kw) -> tuple[list[int], dict | None]:
-    gen.speculate(mode, **kw)
+    gen.speculate(mode, timed=False, **kw)  # drafts from the tokens alone: the same on any machine and load
     r = gen.complete(prompt, GREEDY, StopParams(NEW), ignore_eos=True, text=False)
     return r.token_ids, r.speculative
 
@@ -105,7 +105,7 @@ def test_turns_ending_in_eos_leave_plain_decodings_context(tmp_path_factory) -> 
     gen = Generator.open(bigram_export(tmp_path_factory))
 
     def turns(mode: str) -> tuple[list[tuple], dict | None]:
-        gen.speculate(mode)
+        gen.speculate(mode, timed=False)
         gen.reset()
         out, stats = [], None
         for _ in range(9):  # 9 turns of ~8 rows fill the 64-row context
@@ -177,7 +177,7 @@ def test_accept_greedy() -> None:
 def test_adaptive_counts_breaks_not_the_unaccepted_tail() -> None:
     # the chance a draft token is accepted = hits / (hits + breaks), each decayed per verification; a draft
     # accepted whole is no evidence against a longer one
-    a = Adaptive(k_max=8, timed=False)
+    a = Adaptive(k_max=8)  # untimed
     hits, breaks = a.hits, a.breaks
     for k, accepted in [(4, 4), (6, 6), (8, 2), (4, 4)]:
         a.verified(k, accepted, 0.0)
@@ -196,7 +196,9 @@ def test_adaptive_counts_breaks_not_the_unaccepted_tail() -> None:
 
 
 def test_adaptive_interpolates_the_measured_verification_costs() -> None:
-    a = Adaptive(k_max=8)
+    costs = Costs()
+    a = Adaptive(k_max=8, costs=costs)
+    assert a.budget() == 0  # the engine's first step is plain: costs are measured against it
     assert a.cost(4) == pytest.approx(1.4)  # nothing measured: the fixed guess
     a.timed_step(0.010)
     a.verified(2, 2, 0.100)  # the first verification at a k is not a measurement (one-time costs)
@@ -208,7 +210,9 @@ def test_adaptive_interpolates_the_measured_verification_costs() -> None:
     assert a.cost(1) == pytest.approx(1.1)  # between a plain step (k = 0) and k = 2
     assert a.cost(4) == pytest.approx(1.9)  # between k = 2 and k = 6
     assert a.cost(8) == pytest.approx(3.3)  # past k = 6: that segment's 0.35 per draft row, not the guess's 0.1
-    assert Adaptive(k_max=8, timed=False).cost(4) == pytest.approx(1.4)  # untimed: tokens alone decide k
+    assert Adaptive(k_max=8).cost(4) == pytest.approx(1.4)  # untimed: tokens alone decide k
+    later = Adaptive(k_max=8, costs=costs)  # the next generation on the same engine: no plain step, no warm-up
+    assert later.budget() > 0 and later.cost(4) == pytest.approx(1.9)
 
 
 def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
