@@ -69,7 +69,7 @@ class DraftModel:
     """A smaller export run greedily as the drafter: `propose` feeds it the context it has not seen yet (its
     cache first rewound to the prefix it shares with the context) and decodes k tokens."""
 
-    def __init__(self, directory: Path, target_vocab: int, config, target_tokenizer: dict | None) -> None:
+    def __init__(self, directory: Path, target_vocab: int, config, target_tokenizer: Path | None) -> None:
         from .generator import Generator  # the draft is opened like any export (sha256 checked)
 
         self.gen = Generator.open(directory, config=config)
@@ -78,17 +78,19 @@ class DraftModel:
              f"--draft {directory}: vocabulary of {m.vocab_size} tokens, the target has {target_vocab}: a draft "
              "export must share the target's tokenizer")
         need(target_tokenizer is None or m.tokenizer is None or self._same_tokenizer(directory, target_tokenizer),
-             f"--draft {directory}: its tokenizer differs from the target's (they must be the same file)")
+             f"--draft {directory}: its tokenizer differs from the target's (they must be the same tokenizer)")
         need(not any(self.gen.cache.ring), f"--draft {directory}: a model with sliding-window (ring) caches "
                                            "cannot be rewound, so it cannot draft")
         self.engine, self.cache = self.gen.engine, self.gen.cache
         self.tokens: list[int] = []   # the context
         self.fed = np.zeros(m.max_seq, np.int64)  # ids in the draft cache's rows
 
-    def _same_tokenizer(self, directory: Path, target: dict) -> bool:
-        from .fileio import safe_join, sha256_file
+    def _same_tokenizer(self, directory: Path, target: Path) -> bool:
+        """The same tokenizer content (a tokenizer.json.xz of format 11 equals the tokenizer.json it packs)."""
+        from .fileio import safe_join
+        from .tokenizer_hf import read_json_bytes
 
-        return sha256_file(safe_join(directory, self.gen.manifest.tokenizer["file"])) == target["sha256"]
+        return read_json_bytes(safe_join(directory, self.gen.manifest.tokenizer["file"])) == read_json_bytes(target)
 
     def reset(self, tokens: Sequence[int]) -> None:
         """A new context (the draft cache keeps what it shares with it: `propose` rewinds to that)."""

@@ -21,6 +21,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      layers run GroupQueryAttention on S + 1 rows, the last a zero row whose K/V go to the row after the real
      ones, so a decode step computes its row exactly as a k + 1 row verification does (export/fused.py). Versions
      8-9 have max_seq rows and no such row (Manifest.format_version keeps which).
+ 11  a Hugging Face tokenizer ships as `tokenizer.json.xz` (runtime/tokenizer.py; readers unpack by the name in
+     `tokenizer.file`, so a 10's tokenizer.json still reads); a tied table is stored once as E [V, D], the head
+     reading it as Gemm(h, E, transB=1) and the embedding gathering rows (export/graphs.py; 10 stored E^T [D, V]
+     and gathered columns). The graphs' I/O is unchanged.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -44,8 +48,8 @@ from .sampling import SamplingParams
 from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 10
-READS = (8, 9, 10)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 11
+READS = (8, 9, 10, 11)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}

@@ -207,8 +207,10 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
     if speculative == "draft":
         from .drafting import DraftModel
 
+        from .fileio import safe_join
+
         tok = gen.manifest.tokenizer
-        target = {"sha256": gen.manifest.files[tok["file"]].sha256} if tok is not None else None
+        target = safe_join(gen.directory, tok["file"]) if tok is not None else None
         gen._draft = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
 
 

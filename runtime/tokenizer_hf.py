@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,8 +113,19 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
-def _read_hf(path: Path) -> tokenizers.Tokenizer:
+def read_json_bytes(path: Path) -> bytes:
+    """A tokenizer.json's bytes, unpacked when the file is a tokenizer.json.xz (what exports ship since format 11)."""
     raw = read_file(path)
+    if not path.name.endswith(".xz"):
+        return raw
+    try:
+        return lzma.decompress(raw, format=lzma.FORMAT_XZ)
+    except lzma.LZMAError as exc:
+        raise EdgeError(f"{path}: corrupt tokenizer.json.xz, not xz data ({one_line(exc)})") from None
+
+
+def _read_hf(path: Path) -> tokenizers.Tokenizer:
+    raw = read_json_bytes(path)
     try:
         text = raw.decode("utf-8")
         data = json.loads(text)

@@ -141,7 +141,7 @@ def test_export_ships_template_and_eos_ids(hf_export, capsys):
     assert "eos 2, 0; chat template chat_template.jinja (run --chat)" in capsys.readouterr().out
     doc = manifest_json(hf_export)
     assert doc["format_version"] == FORMAT_VERSION and (doc["eos_id"], doc["eos_ids"]) == (2, [2, 0])
-    assert doc["tokenizer"] == {"file": "tokenizer.json", "kind": "hf", "chat_template": "chat_template.jinja",
+    assert doc["tokenizer"] == {"file": "tokenizer.json.xz", "kind": "hf", "chat_template": "chat_template.jinja",
                                 "add_bos": False}  # a Qwen-style tokenizer.json: no post-processor, no BOS
     assert (hf_export / "chat_template.jinja").read_text() == CHATML
     assert load_checkpoint(hf_export.parent / "hf").config.end_ids == (0,)

@@ -285,7 +285,7 @@ def test_gate_passes_on_fp32_and_text_file_is_tokenized_by_the_export(work):
                 "--tokens", "40", "--prompts", "2", "--fail-if", "kl>1e-6,top1<1,ppl_delta>1e-4")
     assert code == 0
     report = load_report(out / "report.json")
-    tok = load_tokenizer(work / "fp32" / "tokenizer.json", 300, bos_id=1, eos_id=2)
+    tok = load_tokenizer(work / "fp32" / "tokenizer.json.xz", 300, bos_id=1, eos_id=2)
     assert report["text"]["tokens"] == ([1] + tok.encode((work / "story.txt").read_text()))[:40]
     assert report["gate"]["passed"] and report["variants"][0]["greedy"]["agreement"] == 1.0
     prompts = report["variants"][0]["greedy"]["prompts"]

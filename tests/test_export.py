@@ -4,6 +4,7 @@ quantizer and runtime rely on, CLI errors, verification failures, and resume aft
 from __future__ import annotations
 
 import json
+import lzma
 from collections import Counter
 from pathlib import Path
 
@@ -58,8 +59,8 @@ def test_cli_export_writes_a_complete_manifest(cli_export):
     cfg = model.cfg
     assert (m.preset, m.granularity, m.max_seq, m.prefill_chunk, m.opset) == ("qwen2", "layer", 64, 8, 20)
     assert m.config == cfg.to_dict() and (m.bos_id, m.eos_id) == (cfg.bos_id, cfg.eos_id)
-    assert m.tokenizer == {"file": "tokenizer.json", "kind": "hf", "chat_template": None, "add_bos": True}
-    shipped = (out / "tokenizer.json").read_bytes()  # the same JSON value, minified (runtime.copy_tokenizer)
+    assert m.tokenizer == {"file": "tokenizer.json.xz", "kind": "hf", "chat_template": None, "add_bos": True}
+    shipped = lzma.decompress((out / "tokenizer.json.xz").read_bytes())  # the same JSON value, minified, packed
     assert json.loads(shipped) == json.loads((root / "tokenizer.json").read_bytes()) and b"\n" not in shipped
     assert m.sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0}
     assert m.quantization is None and m.export_options["prefill_chunk"] == 8

@@ -5,6 +5,7 @@ to the same ids."""
 from __future__ import annotations
 
 import json
+import lzma
 from pathlib import Path
 
 import numpy as np
@@ -104,12 +105,14 @@ def test_tokenizer_json_ships_minified_with_the_same_ids(tmp_path):
     merged = json.loads(source)  # the merges as "a b" strings, all the rest as it was
     merged["model"]["merges"] = [" ".join(pair) for pair in merged["model"]["merges"]]
     for out in (tmp_path / "fp32", tmp_path / "int8"):
-        shipped = (out / "tokenizer.json").read_bytes()
-        assert json.loads(shipped) == merged and len(shipped) < 0.8 * len(source)
+        packed = (out / "tokenizer.json.xz").read_bytes()  # format 11: xz-compressed
+        shipped = lzma.decompress(packed)
+        assert json.loads(shipped) == merged and len(shipped) < 0.8 * len(source) and len(packed) < 0.5 * len(shipped)
         assert b"\n" not in shipped and "Ġ".encode() in shipped  # no indentation, no \\u escapes
-        assert transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).encode(text) == want
-        assert load_tokenizer(out / "tokenizer.json", 320).encode(text) == want
-        read_manifest(out, verify=True)  # its checksum is the minified file's
+        (tmp_path / "unpacked.json").write_bytes(shipped)
+        assert transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "unpacked.json")).encode(text) == want
+        assert load_tokenizer(out / "tokenizer.json.xz", 320).encode(text) == want
+        read_manifest(out, verify=True)  # its checksum is the packed file's
 
 
 def test_copy_tokenizer_keeps_escapes_a_lone_surrogate_needs_and_merges_with_spaces(tmp_path):

