@@ -64,10 +64,12 @@ TASKS = {
 }
 
 
-def run_case(gen, ids: list[int], mode: str, new_tokens: int) -> tuple[float, list[int], dict | None]:
+def run_case(gen, ids: list[int], mode: str, new_tokens: int,
+             draft_tokens: int | None = None) -> tuple[float, list[int], dict | None]:
     from edgellm.runtime.sampling import SamplingParams, StopParams
+    from edgellm.runtime.speculative import DRAFT_TOKENS
 
-    gen.speculate(mode)
+    gen.speculate(mode, draft_tokens=draft_tokens or DRAFT_TOKENS)
     r = gen.complete(ids, SamplingParams(temperature=0), StopParams(new_tokens), text=False)
     return r.timings.decode_tok_s, r.token_ids, r.speculative
 

@@ -39,7 +39,7 @@ def _system(path: Path) -> str:
     raise SystemExit(f"{path}: expected an edgellm export, an onnxruntime-genai model directory or a .gguf")
 
 
-def _open(path: Path, threads: int, k: int):
+def _open(path: Path, threads: int, k: int, draft_tokens: int | None):
     """{"plain": run, "spec": run}, run(ids, new_tokens) -> (decode tok/s, tokens, stats or None)."""
     kind = _system(path)
     if kind == "edgellm":
@@ -49,7 +49,7 @@ def _open(path: Path, threads: int, k: int):
         from edgellm.runtime.session import SessionConfig
 
         gen = Generator.open(path, config=SessionConfig(threads=threads, shared_pool=True))
-        return {mode: (lambda ids, n, m=m: run_case(gen, ids, m, n)) for mode, m in (("plain", "off"),
+        return {mode: (lambda ids, n, m=m: run_case(gen, ids, m, n, draft_tokens)) for mode, m in (("plain", "off"),
                                                                                         ("spec", "lookup"))}
     from speculative_peers import decode, genai_models
 
@@ -66,9 +66,9 @@ def _open(path: Path, threads: int, k: int):
     return {mode: (lambda ids, n, llm=llm: (*decode(llm, ids, n), None)) for mode, llm in llms.items()}
 
 
-def _worker(path: str, threads: int, k: int, conn) -> None:
+def _worker(path: str, threads: int, k: int, draft_tokens: int | None, conn) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    runs = _open(Path(path), threads, k)
+    runs = _open(Path(path), threads, k, draft_tokens)
     from edgellm.runtime.stats import huge_pages_mb
 
     conn.send(("ready", huge_pages_mb()))
@@ -77,7 +77,7 @@ def _worker(path: str, threads: int, k: int, conn) -> None:
         conn.send(runs[mode](ids, n))
 
 
-def _start(ctx, path: Path, threads: int, k: int, huge_pages: bool):
+def _start(ctx, path: Path, threads: int, k: int, draft_tokens: int | None, huge_pages: bool):
     """A worker process for one system (spawned: glibc reads its tunables as the new interpreter starts)."""
     from edgellm.cli.hugepages import environment_with_huge_pages
 
@@ -87,7 +87,7 @@ def _start(ctx, path: Path, threads: int, k: int, huge_pages: bool):
         if wanted is not None:
             os.environ["GLIBC_TUNABLES"] = wanted
         parent, child = ctx.Pipe()
-        ctx.Process(target=_worker, args=(str(path), threads, k, child), daemon=True).start()
+        ctx.Process(target=_worker, args=(str(path), threads, k, draft_tokens, child), daemon=True).start()
     finally:
         if saved is None:
             os.environ.pop("GLIBC_TUNABLES", None)
@@ -100,11 +100,11 @@ def _start(ctx, path: Path, threads: int, k: int, huge_pages: bool):
 
 
 def race(paths: list[Path], prompts: dict[str, list[int]], rounds: int, new_tokens: int, threads: int,
-         k: int, peers_huge_pages: bool = False) -> dict:
+         k: int, peers_huge_pages: bool = False, draft_tokens: int | None = None) -> dict:
     ctx = mp.get_context("spawn")
     conns, huge = [], {}
     for i, p in enumerate(paths):
-        conn, huge[str(p)] = _start(ctx, p, threads, k, huge_pages=i == 0 or peers_huge_pages)
+        conn, huge[str(p)] = _start(ctx, p, threads, k, draft_tokens, huge_pages=i == 0 or peers_huge_pages)
         conns.append(conn)
     names = [str(p) for p in paths]
     speeds = {t: {s: {"plain": [], "spec": []} for s in names} for t in TASKS}
@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-pred-tokens", type=int, default=10, help="the peers' drafts per verification")
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="edgellm's most drafts per verification (default: the runtime's DRAFT_TOKENS)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--peers-huge-pages", action="store_true",
                     help="start the peers with glibc asked for huge pages too (as edgellm's worker always is)")
@@ -179,7 +181,7 @@ def main() -> None:
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
     del gen
     res = race([args.export, *args.peers], prompts, args.rounds, args.new_tokens, args.threads,
-               args.num_pred_tokens, args.peers_huge_pages)
+               args.num_pred_tokens, args.peers_huge_pages, args.draft_tokens)
     for line in table(res):
         print(line, flush=True)
     if args.json:

@@ -202,16 +202,19 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
     need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
          f"draft_tokens: expected an integer in 1..32, got {draft_tokens!r}")
     need((speculative == "draft") == (draft is not None), "draft: needed by `speculative` 'draft', and only there")
-    gen.speculative, gen.draft_tokens = speculative, draft_tokens
-    gen._costs = Costs() if timed else None  # a draft export's steps are part of a verification's cost: new
-    if speculative == "draft":
+    model = None
+    if speculative == "draft":  # opened first: a bad draft leaves the generator as it was
         from .drafting import DraftModel
-
         from .fileio import safe_join
 
         tok = gen.manifest.tokenizer
         target = safe_join(gen.directory, tok["file"]) if tok is not None else None
-        gen._draft = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
+        model = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
+    # costs measured so far stay valid while the engine and the drafter's own cost stay: kept across "off" /
+    # "lookup" switches (a benchmark alternating them, a chat toggling it), measured again for a draft export
+    if model is not None or gen._draft is not None or not timed or gen._costs is None:
+        gen._costs = Costs() if timed else None
+    gen.speculative, gen.draft_tokens, gen._draft = speculative, draft_tokens, model
 
 
 def speculation_off(cache) -> str | None:

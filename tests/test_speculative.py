@@ -288,3 +288,25 @@ def test_cli_flags(llama: Path, capsys) -> None:
                            (["--draft-tokens", "0"], "--draft-tokens: expected an integer in 1..32")):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
+
+
+def test_verification_costs_outlive_a_mode_switch(llama: Path, tmp_path: Path) -> None:
+    """The measured costs are the engine's: kept across "off"/"lookup" switches and generations, measured
+    again for a draft export (its steps are part of a verification); a draft that fails to open changes nothing."""
+    from edgellm.runtime.errors import EdgeError
+
+    gen = Generator.open(llama)
+    gen.speculate("lookup")
+    costs = gen._costs
+    gen.complete(PROMPT, GREEDY, StopParams(NEW), ignore_eos=True, text=False)
+    assert costs is not None and costs.step_s is not None
+    gen.speculate("off")
+    gen.speculate("lookup")
+    assert gen._costs is costs
+    with pytest.raises(EdgeError):
+        gen.speculate("draft", draft=tmp_path / "missing")
+    assert (gen.speculative, gen._costs) == ("lookup", costs)
+    gen.speculate("draft", draft=llama)
+    assert gen._costs is not costs and gen._costs.step_s is None
+    gen.speculate("lookup", timed=False)
+    assert gen._costs is None
