@@ -18,7 +18,7 @@ from typing import Literal
 
 from .errors import EdgeError, need
 from .tokenizer_common import Tokenizer
-from .tokenizer_hf import BYTE_TO_UNICODE, UNICODE_TO_BYTE, HFTokenizer, read_json_bytes
+from .tokenizer_hf import BYTE_TO_UNICODE, UNICODE_TO_BYTE, XZ, HFTokenizer, read_json_bytes
 from .tokenizer_llama2c import Llama2cTokenizer
 
 __all__ = ["BYTE_TO_UNICODE", "UNICODE_TO_BYTE", "HFTokenizer", "IncrementalDecoder", "Llama2cTokenizer", "Tokenizer",
@@ -27,8 +27,7 @@ __all__ = ["BYTE_TO_UNICODE", "UNICODE_TO_BYTE", "HFTokenizer", "IncrementalDeco
 TokenizerKind = Literal["hf", "llama2c"]  # manifest `tokenizer.kind`
 # its name in an export: since format 11 a tokenizer.json is shipped xz-compressed (Gemma 3's 262k-token
 # tokenizer.json is 12.3 MB minified, 3.1 MB as .xz, 4.8 MB gzip'd; unpacking it takes 0.17 s of a 0.8 s load)
-TOKENIZER_FILES: dict[str, str] = {"hf": "tokenizer.json.xz", "llama2c": "tokenizer.bin"}
-XZ = ".xz"
+TOKENIZER_FILES: dict[str, str] = {"hf": "tokenizer.json" + XZ, "llama2c": "tokenizer.bin"}
 
 
 class IncrementalDecoder:
@@ -76,11 +75,10 @@ class IncrementalDecoder:
 def tokenizer_kind(path: str | Path) -> TokenizerKind:
     """The kind of a tokenizer file a user names (a flag, the file beside a checkpoint), from its format's
     suffix. An export's tokenizer is never named this way: its manifest records `tokenizer.kind`."""
-    name = Path(path).name.removesuffix(XZ)
-    suffix = Path(name).suffix
-    need(suffix in (".json", ".bin") and (suffix == ".json" or name == Path(path).name),
+    name = Path(path).name
+    need(name.endswith((".json", ".json" + XZ, ".bin")),
          f"{path}: unknown tokenizer file (expected tokenizer.json, tokenizer.json.xz or tokenizer.bin)")
-    return "hf" if suffix == ".json" else "llama2c"
+    return "llama2c" if name.endswith(".bin") else "hf"
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path, kind: TokenizerKind) -> None:

@@ -113,10 +113,13 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
+XZ = ".xz"  # an xz-compressed tokenizer.json (what exports ship since format 11)
+
+
 def read_json_bytes(path: Path) -> bytes:
-    """A tokenizer.json's bytes, unpacked when the file is a tokenizer.json.xz (what exports ship since format 11)."""
+    """A tokenizer.json's bytes, unpacked when the file is a tokenizer.json.xz."""
     raw = read_file(path)
-    if not path.name.endswith(".xz"):
+    if not path.name.endswith(XZ):
         return raw
     try:
         return lzma.decompress(raw, format=lzma.FORMAT_XZ)
