@@ -234,6 +234,29 @@ def test_weights_are_held_once(llama):
     assert sorted(gen.engine.weights._maps) == ["embed.data"]
 
 
+def test_the_head_is_opened_first_and_once(llama, monkeypatch):
+    """Engine opens the (paired) head before any other graph, so pre-packing the largest weight peaks on an
+    empty heap (engine.py); its one session still serves both variants, and no graph file is opened twice."""
+    import edgellm.runtime.engine as engine_module
+    from edgellm.runtime.session import SessionConfig
+
+    gen, _ = llama
+    real = engine_module.open_placed
+    for stack in (True, False):
+        opened: list[str] = []
+
+        def spy(path, spec, where, config, weights, opened=opened):
+            opened.append(spec.file)
+            return real(path, spec, where, config, weights)
+
+        monkeypatch.setattr(engine_module, "open_placed", spy)
+        other = Generator.open(gen.directory, config=SessionConfig(threads=1, stack=stack))
+        assert opened[0] == gen.manifest.graph("head", 1).file and len(opened) == len(set(opened)), opened
+        ids = prompt(PROMPT_LEN, gen.manifest.vocab_size)
+        assert other.complete(ids, GREEDY, StopParams(max_new_tokens=6), text=False).token_ids == \
+            gen.complete(ids, GREEDY, StopParams(max_new_tokens=6), text=False).token_ids
+
+
 @pytest.mark.slow
 def test_a_tied_table_is_packed_by_the_head_and_gathered_from_the_map(tmp_path_factory):
     """The head pre-packs even a tied table (its S > 1 rows then sum as its S = 1 row does: placement.py); the
