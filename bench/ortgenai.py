@@ -142,17 +142,19 @@ def genai_child(model_dir: str, contexts: list[int], new_tokens: int, runs: int,
 
 def edgellm_rows(export: Path, contexts: list[int], new_tokens: int, runs: int, threads: int,
                  max_load: float) -> list[dict]:
-    out = subprocess.run(["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs),
-                          "--new-tokens", str(new_tokens), "--contexts", ",".join(map(str, contexts)),
-                          "--max-other-load", str(max_load)], capture_output=True, text=True, check=True).stdout
+    out = json.loads(subprocess.run(
+        ["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs), "--new-tokens",
+         str(new_tokens), "--contexts", ",".join(map(str, contexts)), "--max-other-load", str(max_load)],
+        capture_output=True, text=True, check=True).stdout)
     rows = []
-    for r in json.loads(out)["rows"]:
+    for r in out["rows"]:
         rows.append({"system": "edgellm", "context": r["context"], "prefill": r["prefill_tok_s"]["median"],
                      "prefill_range": [r["prefill_tok_s"]["low"], r["prefill_tok_s"]["high"]],
                      "decode": r["decode_tok_s"]["median"],
                      "decode_range": [r["decode_tok_s"]["low"], r["decode_tok_s"]["high"]],
                      "overhead_pct": r["overhead_pct"]["median"], "peak_rss_mb": r["peak_rss_mb"],
-                     "first": r["first_tokens"], "other_load_pct": r["foreign_load_pct"]})
+                     "first": r["first_tokens"], "other_load_pct": r["foreign_load_pct"],
+                     "huge_pages_mb": out["huge_pages_mb"]})  # the packed weights in huge pages, or not: +-20 %
     return rows
 
 
@@ -249,7 +251,8 @@ def _print(name: str, precision: str, rows: list[dict]) -> None:
         print(f"  {r['system']:<10} {r['context']:>5}  {r['prefill']:8.1f} ({r['prefill_range'][0]:.0f}-"
               f"{r['prefill_range'][1]:.0f})  {r['decode']:8.1f} ({r['decode_range'][0]:.1f}-"
               f"{r['decode_range'][1]:.1f})  {r['peak_rss_mb']:7.0f}  first ids {r['first'][:4]}  other load "
-              f"{r['other_load_pct'] if r['other_load_pct'] is not None else float('nan'):.1f}%")
+              f"{r['other_load_pct'] if r['other_load_pct'] is not None else float('nan'):.1f}%"
+              + (f"  huge pages {r['huge_pages_mb']:.0f} MB" if "huge_pages_mb" in r else ""))
     for ctx in sorted({r["context"] for r in rows}):
         e = next(r for r in rows if r["system"] == "edgellm" and r["context"] == ctx)
         for g in (r for r in rows if r["system"] != "edgellm" and r["context"] == ctx):
