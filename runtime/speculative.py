@@ -216,6 +216,8 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
     if model is not None or gen._draft is not None or not timed or gen._costs is None:
         gen._costs = Costs() if timed else None
     gen.speculative, gen.draft_tokens, gen._draft = speculative, draft_tokens, model
+    if speculative != "off":
+        gen.engine.reserve_rows(draft_tokens + 1)  # the last token + k drafts: every verification's logits
 
 
 def speculation_off(cache) -> str | None:

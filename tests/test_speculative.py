@@ -96,6 +96,31 @@ def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: P
     assert engine.any_rows and np.array_equal(rows, np.stack(steps))
 
 
+def test_verifications_of_any_size_share_one_logits_buffer(llama: Path) -> None:
+    """`few_rows` writes rows [0, n) of one logits buffer for every n (`reserve_rows`; a larger call grows it
+    and rebuilds the variants bound so far), and each call still returns the decode steps' logits."""
+    from edgellm.runtime.engine import Engine
+    from edgellm.runtime.manifest import read_manifest
+
+    engine = Engine.open(llama, read_manifest(llama))
+    logits, fed, steps = engine.forward(PROMPT).copy(), [], []
+    for _ in range(18):
+        fed.append(int(logits.argmax()))
+        logits = engine.forward(fed[-1:]).copy()
+        steps.append(logits)
+    engine.cache.rewind(len(PROMPT))
+    engine.reserve_rows(4)
+    rows, at = [], 0
+    for n in (3, 2, 4, 3, 6):
+        rows.append(engine.few_rows(fed[at:at + n]).copy())
+        at += n
+        if n == 3 and len(engine._few) == 3:  # sizes 3, 2, 4: three variants, one buffer of 4 rows
+            assert engine._few_logits.shape[1] == 4
+            assert all(np.shares_memory(v.logits, engine._few_logits) for v in engine._few.values())
+    assert set(engine._few) == {6} and engine._few_logits.shape[1] == 6  # grown once, the old variants dropped
+    assert np.array_equal(np.concatenate(rows), np.stack(steps))
+
+
 def test_turns_ending_in_eos_leave_plain_decodings_context(tmp_path_factory) -> None:
     """Multi-turn (keep_context): a turn whose EOS comes right after accepted drafts leaves the context plain
     decoding leaves (the last token in the cache, nothing carried: it was fed twice on the next turn), and a
