@@ -8,9 +8,10 @@ For each model: builds the random-weight HF checkpoint if missing (bench/make_mo
 (`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
 past_present_share_buffer set in genai_config.json) and the edgellm export (`edgellm export`, plus
 `edgellm quantize` for int8/int4), then runs the anchors' workload on both — fixed pseudo-random prompt ids
-(seed 1234), greedy, EOS unable to stop a run, one warm-up + --runs timed runs, medians — each system in its
-own process (own peak RSS), and prints the table and the edgellm / ORT-genai ratios. With --rounds N the pair
-is run N times, alternating which system goes first, and the median of the N decode ratios is printed: this
+(seed 1234), greedy, EOS unable to stop a run, plain decoding (edgellm `--speculative off`: the peers do not
+speculate here, and a random-weight model's repetitive output would flatter prompt lookup), one warm-up +
+--runs timed runs, medians — each system in its own process (own peak RSS), and prints the table and the
+edgellm / ORT-genai ratios. With --rounds N the pair is run N times, alternating which system goes first, and the median of the N decode ratios is printed: this
 VM's speed drifts by 10-20 % over minutes, so one pair of runs can land anywhere in 0.8-1.05x.
 `--llamacpp` adds llama.cpp in the same rotation (llama-cpp-python, bench extra): the checkpoint converted by its
 sdist's convert_hf_to_gguf.py and quantized by llama.cpp itself (fp32: f32, int8: Q8_0, int4: Q4_0), decoded
@@ -144,7 +145,8 @@ def edgellm_rows(export: Path, contexts: list[int], new_tokens: int, runs: int, 
                  max_load: float) -> list[dict]:
     out = json.loads(subprocess.run(
         ["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs), "--new-tokens",
-         str(new_tokens), "--contexts", ",".join(map(str, contexts)), "--max-other-load", str(max_load)],
+         str(new_tokens), "--contexts", ",".join(map(str, contexts)), "--max-other-load", str(max_load),
+         "--speculative", "off"],  # plain decoding, as the peers run here (speculation: bench/speculative_race.py)
         capture_output=True, text=True, check=True).stdout)
     rows = []
     for r in out["rows"]:
