@@ -135,6 +135,7 @@ class Adaptive:
         self.k_max, self.measured, self.base_pause, self.max_pause = k_max, costs, pause, max_pause
         self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
         self.pause, self.wait = pause, 0
+        self.probe = False  # the first step after a pause drafts, whatever the estimates say (budget)
 
     @property
     def rate(self) -> float:
@@ -162,9 +163,16 @@ class Adaptive:
             return 0
         costs = self.costs()  # once per step, not once per k
         best = max(range(1, self.k_max + 1), key=lambda k: self.gain(k, costs))
+        if self.probe:
+            # a real probe: estimates change only through verifications, so one that judged every k a loss
+            # (a cost measured while the machine was busy, a rate from other text) would never be corrected.
+            # It costs at most one verification per pause (the drafter may have nothing to propose)
+            self.probe = False
+            return best
         if self.gain(best, costs) < 1.0:
             self.wait, self.pause = self.pause, min(2 * self.pause, self.max_pause)
             self.hits, self.breaks = 1.0, 1.0  # the probe after the pause starts from an even guess
+            self.probe = True
             return 0
         return best
 

@@ -240,6 +240,24 @@ def test_adaptive_interpolates_the_measured_verification_costs() -> None:
     assert later.budget() > 0 and later.cost(4) == pytest.approx(1.9)
 
 
+def test_a_pause_ends_in_a_real_probe_even_when_the_costs_say_no() -> None:
+    """Estimates change only through verifications: after a pause the adaptive drafts once whatever the costs
+    say, so costs measured high once (a busy machine) cannot switch speculation off for good; a failed probe
+    doubles the next pause."""
+    costs = Costs()
+    a = Adaptive(k_max=8, costs=costs)
+    a.timed_step(0.010)
+    for _ in range(2):  # (the first verification at a k is a warm-up, not a measurement)
+        for k in (1, 8):  # each draft row costs 2 plain steps: no accept rate pays for that
+            a.verified(k, k, 0.010 * (1 + 2 * k))
+    assert max(a.gain(k) for k in range(1, 9)) < 1.0
+    assert a.budget() == 0 and a.wait == 8  # a pause
+    assert [a.budget() for _ in range(8)] == [0] * 8
+    assert a.budget() == 1  # the probe: the cheapest k, though its estimated gain is < 1
+    a.verified(1, 0, 0.030)
+    assert [a.budget() for _ in range(17)] == [0] * 17 and a.budget() == 1  # failed: a pause twice as long
+
+
 def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
     """How often each token came first out of `accept_sampled` over n trials (one draft per trial)."""
     rng = np.random.default_rng(seed)
