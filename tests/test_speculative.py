@@ -177,7 +177,11 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     d.extend([4])                      # suffix 2 3 4 (3-gram) occurred once: followed by 5 9 2 3
     assert d.propose(3) == [5, 9, 2]
     d.reset([6, 6])
-    assert d.propose(5) == [6]         # continuation runs up to the end of the context
+    assert d.propose(5) == [6] * 5     # a loop ("6" after "6"): the copy runs on over itself
+    d.reset([1, 9, 7, 8, 9, 7, 8])     # "9 7 8" again, 3 tokens after the first: a loop of period 3
+    assert d.propose(7) == [9, 7, 8, 9, 7, 8, 9]
+    d.reset([1, 7, 8, 9, 7, 8])        # only "7 8" of the period 3 repeated: no loop, the continuation stops
+    assert d.propose(7) == [9, 7, 8]
     two = PromptLookup()               # the default: matches of 2 to 6 tokens
     two.reset([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2])
     assert two.propose(4) == [] and (two.extend([3]) or two.propose(2)) == [7, 8]
