@@ -3,8 +3,8 @@ target model then checks in one forward over k + 1 rows.
 
 - `PromptLookup`: no model. The last n tokens of the context (n = 6, 5, ... down to 2; 1 with min_ngram=1) are
   looked up among the earlier n-grams of the context, the longest match first; the tokens that followed its
-  latest occurrence are the draft (copied on over themselves where the context ends in a loop). Text that quotes, corrects or extracts from its prompt repeats long runs
-  of it, and those drafts are then accepted whole. The index is a dict per n, updated as each token arrives:
+  latest occurrence are the draft (copied on over themselves where the context ends in a loop). Text that
+  quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted whole. The index is a dict per n, updated as each token arrives:
   O(n) per token, O(1) per proposal.
 - `DraftModel`: a smaller export with the same tokenizer, run greedily through its own Engine and cache;
   its cache is rewound (`KVCache.rewind`, the one cache rule) to the longest prefix the context still shares
@@ -61,8 +61,8 @@ class PromptLookup:
         a loop and the copy runs on over what it copies (LZ77's overlapping copy): "x A B A B" drafts "A B A B
         ..." rather than stopping after "A B" (on a random-weight stories110M int4 export, whose greedy text
         cycles: 3.7 drafted tokens per verification instead of 1.4, decode +20 %). Not where only part of a
-        period repeated ("A B x A B"): extending those too drafted more and lost on SmolLM2's free-form tips
-        (0.95x plain vs 1.02x)."""
+        period repeated ("A B x A B"): extending those too drafted more, and SmolLM2 int4's free-form tips
+        ran at 0.95x plain in that one run."""
         ctx = self.tokens
         for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
             p = self.index[n - 1].get(tuple(ctx[-n:]))
