@@ -4,8 +4,8 @@ target model then checks in one forward over k + 1 rows.
 - `PromptLookup`: no model. The last n tokens of the context (n = 6, 5, ... down to 2; 1 with min_ngram=1) are
   looked up among the earlier n-grams of the context, the longest match first; the tokens that followed its
   latest occurrence are the draft (copied on over themselves where the context ends in a loop). Text that
-  quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted whole. The index is a dict per n, updated as each token arrives:
-  O(n) per token, O(1) per proposal.
+  quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted
+  whole. The index is a dict per n, updated as each token arrives: O(n) per token, O(1) per proposal.
 - `DraftModel`: a smaller export with the same tokenizer, run greedily through its own Engine and cache;
   its cache is rewound (`KVCache.rewind`, the one cache rule) to the longest prefix the context still shares
   with what it was fed.

@@ -240,8 +240,7 @@ class Engine:
             raise EdgeError(f"few_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
         v = self._few.get(n)
         if v is None:
-            if n > self._few_logits.shape[1]:  # a larger buffer: the variants bound to the old one are rebuilt
-                self.reserve_rows(n)
+            self.reserve_rows(n)  # a no-op unless n outgrows the buffer
             v = self._few[n] = Variant(n)
             self._bind_stack(v, spec_seq=1)
             v.body, v.release = list(v.graphs), [()]
