@@ -16,7 +16,7 @@ from edgellm.runtime.drafting import PromptLookup
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams, filtered, softmax
-from edgellm.runtime.speculative import DECAY, Adaptive, Costs, accept_greedy, accept_sampled
+from edgellm.runtime.speculative import DECAY, NEAR_BEST, Adaptive, Costs, accept_greedy, accept_sampled
 from tests.export_helpers import tiny_model
 
 OPTIONS = dict(max_seq=96, prefill_chunk=8)
@@ -213,7 +213,7 @@ def test_adaptive_counts_breaks_not_the_unaccepted_tail() -> None:
         hits, breaks = DECAY * hits + accepted, DECAY * breaks + (accepted < k)
         assert a.rate == pytest.approx(hits / (hits + breaks))
     assert a.rate > 0.85  # the accepted/drafted EMA it replaced gave 0.78 here, and 5-token drafts next
-    assert a.budget() == 8  # every draft but one accepted whole: the longest drafts pay most
+    assert a.budget() >= 6  # every draft but one accepted whole: long drafts pay
     failures = 0
     while a.budget() > 0:  # drafts that keep failing: the chance falls until a draft costs more than it wins
         a.verified(8, 0, 0.0)
@@ -242,6 +242,28 @@ def test_adaptive_interpolates_the_measured_verification_costs() -> None:
     assert Adaptive(k_max=8).cost(4) == pytest.approx(1.4)  # untimed: tokens alone decide k
     later = Adaptive(k_max=8, costs=costs)  # the next generation on the same engine: no plain step, no warm-up
     assert later.budget() > 0 and later.cost(4) == pytest.approx(1.9)
+
+
+def test_adaptive_drafts_the_fewest_tokens_near_the_best_gain() -> None:
+    """Where draft rows are costly the expected gain is flat near its top and the adaptive drafts the fewest
+    tokens within NEAR_BEST of the best; where rows are cheap and drafts are accepted whole, the longest."""
+    def adaptive(k1_steps: float, k16_steps: float, hits: float, breaks: float) -> Adaptive:
+        costs = Costs()
+        a = Adaptive(k_max=16, costs=costs)
+        a.timed_step(0.010)
+        for _ in range(2):  # (the first verification at a k is a warm-up, not a measurement)
+            for k, steps in ((1, k1_steps), (16, k16_steps)):
+                costs.verification(k, 0.010 * steps)
+        a.hits, a.breaks = hits, breaks
+        return a
+
+    costly = adaptive(1.3, 5.8, hits=9.0, breaks=1.0)  # int4-like rows (0.3 plain steps each), 90 % accepted
+    gains = [costly.gain(k) for k in range(17)]
+    k_top = max(range(1, 17), key=gains.__getitem__)
+    k = costly.budget()
+    assert k < k_top and gains[k] >= NEAR_BEST * gains[k_top]
+    assert all(gains[j] < NEAR_BEST * gains[k_top] for j in range(1, k))
+    assert adaptive(1.05, 1.8, hits=20.0, breaks=0.01).budget() >= 15  # fp32-like rows, drafts accepted whole
 
 
 def test_a_pause_ends_in_a_real_probe_even_when_the_costs_say_no() -> None:

@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    from edgellm.runtime.speculative import DRAFT_TOKENS
+
     p.add_argument("--speculative", choices=("auto", "off", "lookup", "draft"), default=default,
                    help="speculative decoding, faster where the answer repeats its context: lookup drafts from the "
                         "context (prompt lookup), draft runs --draft DIR as the drafter; adaptive, so text that "
@@ -73,8 +75,9 @@ def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> 
                         "(default " + default + ")")
     p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
                                                                "same tokenizer")
-    p.add_argument("--draft-tokens", type=integer, default=8, metavar="K",
-                   help="at most this many drafts per verification (default 8)")
+    p.add_argument("--draft-tokens", type=integer, default=DRAFT_TOKENS, metavar="K",
+                   help=f"at most this many drafts per verification; fewer where draft rows cost more than they win "
+                        f"(default {DRAFT_TOKENS})")
 
 
 def speculate(gen, args: argparse.Namespace, config) -> None:
