@@ -2,11 +2,14 @@
 alternating rounds; every case must give the same greedy tokens both ways (asserted).
 
     python bench/speculative.py EXPORT [EXPORT ...] [--rounds 3] [--new-tokens 192] [--threads 2]
+                                [--draft-tokens K [K ...]]
 
 Tasks (chat template, greedy, EOS ends a run): grounded ones hold TEXT (~330 tokens) or CODE in the prompt and
 ask to repeat, correct, extract from or edit it; free-form ones hold nothing to copy. Prints decode tok/s per
 task and mode (median over rounds), the speculative / plain ratio per task and the median ratio per group, and
-the machine's load average (the VM is shared). `--json FILE` writes every measurement.
+the machine's load average (the VM is shared). `--draft-tokens 8 16` runs lookup once per k_max in each round
+(the order rotating; a column each), to compare settings on the same tokens. `--json FILE` writes every
+measurement.
 """
 
 from __future__ import annotations
@@ -74,53 +77,62 @@ def run_case(gen, ids: list[int], mode: str, new_tokens: int,
     return r.timings.decode_tok_s, r.token_ids, r.speculative
 
 
-def bench(directory: Path, rounds: int, new_tokens: int, threads: int) -> dict:
+def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[int]) -> dict:
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
 
     gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True))
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
-    speeds: dict[str, dict[str, list[float]]] = {t: {"off": [], "lookup": []} for t in TASKS}
-    stats: dict[str, dict | None] = {}
-    differ: dict[str, int] = {}  # task -> first new token where speculative and plain greedy differ
+    settings = ["off", *(f"k{k}" for k in ks)]  # plain, then lookup at each k_max
+    speeds: dict[str, dict[str, list[float]]] = {t: {s: [] for s in settings} for t in TASKS}
+    stats: dict[str, dict[str, dict]] = {t: {} for t in TASKS}
+    differ: dict[str, int] = {}  # task -> first new token where a speculative run and plain greedy differ
     for rnd in range(rounds + 1):  # round 0 warms up (not kept)
         for name, ids in prompts.items():
-            order = ("off", "lookup") if rnd % 2 else ("lookup", "off")
+            shift = rnd % len(settings)
             got = {}
-            for mode in order:
-                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens)
-                got[mode] = tokens
+            for setting in settings[shift:] + settings[:shift]:
+                mode, k = ("off", None) if setting == "off" else ("lookup", int(setting[1:]))
+                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens, k)
+                got[setting] = tokens
                 if rnd:
-                    speeds[name][mode].append(tok_s)
+                    speeds[name][setting].append(tok_s)
                 if spec is not None:
-                    stats[name] = spec | {"new_tokens": len(tokens), "prompt_tokens": len(ids)}
-            if got["off"] != got["lookup"]:  # recorded, and the run fails at the end (exit 1)
-                first = next((i for i, (a, b) in enumerate(zip(got["off"], got["lookup"], strict=False)) if a != b),
-                             min(len(got["off"]), len(got["lookup"])))
-                differ.setdefault(name, first)
+                    stats[name][setting] = spec | {"new_tokens": len(tokens), "prompt_tokens": len(ids)}
+            for setting, tokens in got.items():  # recorded, and the run fails at the end (exit 1)
+                if tokens != got["off"]:
+                    first = next((i for i, (a, b) in enumerate(zip(got["off"], tokens, strict=False)) if a != b),
+                                 min(len(got["off"]), len(tokens)))
+                    differ.setdefault(f"{name} {setting}", first)
         print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     return {"speeds": speeds, "stats": stats, "load": os.getloadavg(), "differ": differ}
 
 
 def table(directory: Path, res: dict) -> list[str]:
-    lines = [f"{directory}  (decode tok/s, median of rounds; load avg {res['load'][0]:.1f}/{res['load'][2]:.1f})",
-             f"  {'task':<10} {'group':<9} {'plain':>7} {'lookup':>7} {'ratio':>6} {'min-max ratio':>14}  accepted/drafted"]
-    ratios: dict[str, list[float]] = {"grounded": [], "free": []}
+    """Per task: plain tok/s, then per lookup setting its tok/s, its ratio to plain (median of the per-round
+    ratios, min-max) and accepted/drafted tokens of its last run."""
+    lines = [f"{directory}  (decode tok/s, median of rounds; load avg {res['load'][0]:.1f}/{res['load'][2]:.1f})"]
+    settings = [s for s in next(iter(res["speeds"].values())) if s != "off"]
+    ratios: dict[str, dict[str, list[float]]] = {s: {"grounded": [], "free": []} for s in settings}
     for name, (group, _) in TASKS.items():
         s = res["speeds"][name]
-        per_round = [b / a for a, b in zip(s["off"], s["lookup"], strict=True)]
-        r = statistics.median(per_round)
-        ratios[group].append(r)
-        st = res["stats"].get(name) or {}
-        lines.append(f"  {name:<10} {group:<9} {statistics.median(s['off']):>7.1f} {statistics.median(s['lookup']):>7.1f} "
-                     f"{r:>5.2f}x {min(per_round):>6.2f}-{max(per_round):.2f}x  {st.get('accepted')}/{st.get('drafted')}"
-                     f" of {st.get('new_tokens')} new")
+        cells = [f"plain {statistics.median(s['off']):.1f}"]
+        for setting in settings:
+            per_round = [b / a for a, b in zip(s["off"], s[setting], strict=True)]
+            r = statistics.median(per_round)
+            ratios[setting][group].append(r)
+            st = res["stats"][name].get(setting, {})
+            cells.append(f"{setting} {statistics.median(s[setting]):.1f} {r:.2f}x ({min(per_round):.2f}-"
+                         f"{max(per_round):.2f}) {st.get('accepted')}/{st.get('drafted')}")
+        lines.append(f"  {name:<10} {group:<9} " + " | ".join(cells))
     for name, at in res["differ"].items():
         lines.append(f"  {name}: TOKENS DIFFER from plain greedy from new token {at}")
     if not res["differ"]:
-        lines.append("  every task: the same greedy tokens as plain decoding, every round")
-    for group, rs in ratios.items():
-        lines.append(f"  {group}: median ratio {statistics.median(rs):.2f}x (tasks {', '.join(f'{r:.2f}' for r in rs)})")
+        lines.append("  every task and setting: the same greedy tokens as plain decoding, every round")
+    for setting, by_group in ratios.items():
+        for group, rs in by_group.items():
+            lines.append(f"  {setting} {group}: median ratio {statistics.median(rs):.2f}x "
+                         f"(tasks {', '.join(f'{r:.2f}' for r in rs)})")
     return lines
 
 
@@ -130,11 +142,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=None, metavar="K",
+                    help="lookup's k_max, one setting per K (default: the runtime's DRAFT_TOKENS)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    from edgellm.runtime.speculative import DRAFT_TOKENS
+
+    ks = args.draft_tokens or [DRAFT_TOKENS]
     results = {}
     for directory in args.exports:
-        results[str(directory)] = bench(directory, args.rounds, args.new_tokens, args.threads)
+        results[str(directory)] = bench(directory, args.rounds, args.new_tokens, args.threads, ks)
         for line in table(directory, results[str(directory)]):
             print(line, flush=True)
     if args.json:
