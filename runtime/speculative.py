@@ -19,9 +19,9 @@ Acceptance (row i of the verification = the target's logits after the last token
 verification, drafting included (relative to a plain step; `Costs`, kept by the Generator across generations),
 pick the fewest drafts within 5 % of the best expected tokens per unit of time (NEAR_BEST); when even the best is
 below a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing: text that starts free
-and then quotes its prompt gets back to drafting within a few dozen tokens). The chance is accepted tokens / (accepted tokens + breaks), decayed per
-verification: a draft accepted whole ends in no break, so its length says nothing against longer drafts (copied
-text breaks at a paraphrased comma, not at a fixed rate).
+and then quotes its prompt gets back to drafting within a few dozen tokens). The chance is accepted tokens /
+(accepted tokens + breaks), decayed per verification: a draft accepted whole ends in no break, so its length says
+nothing against longer drafts (copied text breaks at a paraphrased comma, not at a fixed rate).
 Ring caches (sliding-window layers) cannot be rewound: speculation is off for them (`speculation_off`).
 """
 
