@@ -156,9 +156,6 @@ class Adaptive:
         curve = self.measured.curve(self.k_max) if self.measured is not None else None
         return curve or [1.0 + 0.1 * k for k in range(self.k_max + 1)]
 
-    def cost(self, k: int) -> float:
-        return self.costs()[k]
-
     def gain(self, k: int, costs: list[float] | None = None) -> float:
         """Expected tokens per plain step's time with k drafts (1 = plain decoding)."""
         a = min(self.rate, 0.999)

@@ -228,20 +228,20 @@ def test_adaptive_interpolates_the_measured_verification_costs() -> None:
     costs = Costs()
     a = Adaptive(k_max=8, costs=costs)
     assert a.budget() == 0  # the engine's first step is plain: costs are measured against it
-    assert a.cost(4) == pytest.approx(1.4)  # nothing measured: the fixed guess
+    assert a.costs()[4] == pytest.approx(1.4)  # nothing measured: the fixed guess
     a.timed_step(0.010)
     a.verified(2, 2, 0.100)  # the first verification at a k is not a measurement (one-time costs)
-    assert a.cost(2) == pytest.approx(1.2)
+    assert a.costs()[2] == pytest.approx(1.2)
     a.verified(6, 6, 0.100)
     a.verified(2, 2, 0.012)  # 1.2 plain steps
     a.verified(6, 6, 0.026)  # 2.6
-    assert [a.cost(k) for k in (2, 6)] == pytest.approx([1.2, 2.6])  # measured: as measured
-    assert a.cost(1) == pytest.approx(1.1)  # between a plain step (k = 0) and k = 2
-    assert a.cost(4) == pytest.approx(1.9)  # between k = 2 and k = 6
-    assert a.cost(8) == pytest.approx(3.3)  # past k = 6: that segment's 0.35 per draft row, not the guess's 0.1
-    assert Adaptive(k_max=8).cost(4) == pytest.approx(1.4)  # untimed: tokens alone decide k
+    assert [a.costs()[k] for k in (2, 6)] == pytest.approx([1.2, 2.6])  # measured: as measured
+    assert a.costs()[1] == pytest.approx(1.1)  # between a plain step (k = 0) and k = 2
+    assert a.costs()[4] == pytest.approx(1.9)  # between k = 2 and k = 6
+    assert a.costs()[8] == pytest.approx(3.3)  # past k = 6: that segment's 0.35 per draft row, not the guess's 0.1
+    assert Adaptive(k_max=8).costs()[4] == pytest.approx(1.4)  # untimed: tokens alone decide k
     later = Adaptive(k_max=8, costs=costs)  # the next generation on the same engine: no plain step, no warm-up
-    assert later.budget() > 0 and later.cost(4) == pytest.approx(1.9)
+    assert later.budget() > 0 and later.costs()[4] == pytest.approx(1.9)
 
 
 def test_adaptive_drafts_the_fewest_tokens_near_the_best_gain() -> None:
