@@ -230,8 +230,8 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
         model = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
     # costs measured so far stay valid while the engine and the drafter's own cost stay: kept across "off" /
     # "lookup" switches (a benchmark alternating them, a chat toggling it), measured again for a draft export
-    lookup_both = model is None and gen._draft is None  # the drafter costs the same before and after
-    keep = timed and lookup_both and gen._costs is not None
+    no_draft_export = model is None and gen._draft is None  # before and after: the drafter's cost is unchanged
+    keep = timed and no_draft_export and gen._costs is not None
     if not keep:
         gen._costs = Costs() if timed else None
     gen.speculative, gen.draft_tokens, gen._draft = speculative, draft_tokens, model
