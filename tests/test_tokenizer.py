@@ -257,15 +257,17 @@ def test_the_kind_not_the_file_name_decides(tmp_path: Path, l2c: Llama2cTokenize
         load_tokenizer(odd, len(pieces), kind="sentencepiece")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("content", [
-    b"{not json", b"\xff\xfe\x00", b"[]", b'{"version": "9.9", "model": {}}',
-    b'{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}}',
-    b'{"version": "1.0", "model": {"type": "Nope"}}',
+@pytest.mark.parametrize(("content", "why"), [
+    (b"{not json", "not UTF-8 JSON"), (b"\xff\xfe\x00", "not UTF-8 JSON"), (b"[]", "no 'model' section"),
+    (b'{"version": "9.9", "model": {}}', "version '9.9' is not supported"),
+    (b'{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}}', "corrupt tokenizer.json"),
+    (b'{"version": "1.0", "model": {"type": "Nope"}}', "corrupt tokenizer.json"),
 ])
-def test_corrupt_tokenizer_json(tmp_path: Path, content: bytes) -> None:
+def test_corrupt_tokenizer_json(tmp_path: Path, content: bytes, why: str) -> None:
+    """The Rust parser refuses these; the error then says what is wrong (tokenizer_hf._read_hf)."""
     path = tmp_path / "tokenizer.json"
     path.write_bytes(content)
-    with pytest.raises(EdgeError, match="tokenizer.json") as err:
+    with pytest.raises(EdgeError, match=why) as err:
         load_tokenizer(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
