@@ -159,6 +159,17 @@ def test_streaming_never_splits_a_character(bigram):
     assert bigram.tokenizer.decode(result.token_ids) == CHAIN
 
 
+def test_the_tokenizer_is_loaded_only_when_text_needs_it(tmp_path_factory):
+    """Ids in and ids out never load the tokenizer (its memory is the app's choice); the first text does, once."""
+    gen = Generator.open(bigram_export(tmp_path_factory), threads=1)
+    assert gen.has_tokenizer and gen._tokenizer is None
+    ids = gen.complete([1, 5], GREEDY, StopParams(max_new_tokens=4), text=False).token_ids
+    assert gen._tokenizer is None and len(ids) > 0
+    result = gen.complete("a", GREEDY, StopParams(max_new_tokens=20))
+    assert gen._tokenizer is not None and result.text == CHAIN
+    assert gen.tokenizer is gen._tokenizer  # loaded once
+
+
 @pytest.mark.parametrize(("stops", "text", "deltas"), [
     (("中",), "é", ["", "é", "", "", ""]),
     (("é中",), "", ["", "", "", "", ""]),

@@ -182,7 +182,7 @@ def _show(gen, events, args: argparse.Namespace):
     from edgellm.runtime.stats import format_stats
 
     stream = args.stream and not args.json
-    no_text = gen.tokenizer is None  # ids only: show the new ids instead of text
+    no_text = not gen.has_tokenizer  # ids only: show the new ids instead of text
     result = None
     for item in events:
         if isinstance(item, Result):
@@ -241,14 +241,14 @@ def _interactive(gen, sampling, stop, args: argparse.Namespace) -> int:
             continue
         try:
             fresh = gen.context_tokens == 0
-            if gen.tokenizer is None:
+            if not gen.has_tokenizer:
                 prompt: str | list[int] = _prompt_ids(line)
             else:
                 prompt = line if fresh else "\n" + line
             if not fresh and not gen.fits(gen.encode(prompt, fresh=False)):
                 print("[context full: starting a new context]", file=sys.stderr)
                 gen.reset()
-                prompt = line if gen.tokenizer is not None else prompt
+                prompt = line if gen.has_tokenizer else prompt
             _show(gen, gen.generate(prompt, sampling, stop, truncate=args.truncate, keep_context=True), args)
         except EdgeError as err:  # a bad line (too long, bad ids) must not end the session
             print(f"edgellm run: error: {err}", file=sys.stderr)
