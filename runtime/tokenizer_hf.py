@@ -7,11 +7,13 @@ import lzma
 import re
 from collections.abc import Sequence
 from pathlib import Path
-
-import tokenizers
+from typing import TYPE_CHECKING
 
 from .errors import EdgeError, need
 from .tokenizer_common import check_id, join_pieces, one_line, read_file
+
+if TYPE_CHECKING:  # imported where a tokenizer is loaded: ids-only runs never hold the library (~9 MB RSS)
+    import tokenizers
 
 _BOS_NAMES = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "<|endoftext|>")
 _EOS_NAMES = ("<eos>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>")
@@ -48,7 +50,9 @@ class HFTokenizer:
         self._added = {i: t.content for i, t in added.items() if not t.special}
         specials = {self.bos_id, self.eos_id, self.pad_id} - {None}
         self._special = {i for i, t in added.items() if t.special} | specials
-        self.byte_exact = isinstance(tok.decoder, tokenizers.decoders.ByteLevel)
+        from tokenizers.decoders import ByteLevel
+
+        self.byte_exact = isinstance(tok.decoder, ByteLevel)
 
     @classmethod
     def from_file(cls, path: Path, bos_id: int | None = None, eos_id: int | None = None) -> HFTokenizer:
@@ -132,6 +136,8 @@ def _read_hf(path: Path) -> tokenizers.Tokenizer:
     model itself). Only a file it refuses is parsed again, in Python, to say what is wrong with it: parsing
     every file into Python objects first, to check two keys, cost more peak memory than the tokenizer itself
     (Qwen2.5's 151k-token tokenizer.json: +70 MB peak RSS for the load, 27 MB without it)."""
+    import tokenizers
+
     raw = read_json_bytes(path)
     try:
         return tokenizers.Tokenizer.from_buffer(raw)

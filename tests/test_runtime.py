@@ -170,6 +170,29 @@ def test_the_tokenizer_is_loaded_only_when_text_needs_it(tmp_path_factory):
     assert gen.tokenizer is gen._tokenizer  # loaded once
 
 
+LAZY = """
+import sys
+from edgellm.runtime import Generator
+from edgellm.runtime.sampling import SamplingParams, StopParams
+gen = Generator.open(sys.argv[1], threads=1)
+gen.complete([1, 5], SamplingParams(temperature=0), StopParams(max_new_tokens=4), text=False)
+before = "tokenizers" in sys.modules
+gen.complete("a", SamplingParams(temperature=0), StopParams(max_new_tokens=4))
+print(before, "tokenizers" in sys.modules)
+"""
+
+
+def test_ids_only_runs_never_import_the_tokenizer_library(tmp_path_factory):
+    """In a fresh interpreter: `tokenizers` (~9 MB resident) is imported by the first text, not by ids."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", LAZY, str(bigram_export(tmp_path_factory))], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+
+
 @pytest.mark.parametrize(("stops", "text", "deltas"), [
     (("中",), "é", ["", "é", "", "", ""]),
     (("é中",), "", ["", "", "", "", ""]),
