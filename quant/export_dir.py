@@ -35,6 +35,7 @@ from edgellm.runtime.tokenizer import copy_tokenizer
 from . import mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
+from .headsplit import HeadSplit, plan_split, split_head
 from .onnxedit import prune_initializers
 from .options import QuantizeOptions, logical_name, unmatched_keeps
 from .plan import QuantPlan, WeightReport, WeightSite
@@ -137,6 +138,12 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences sampled by the fp32 export")
     promoted = _promotions(src, manifest, options, calib, progress, log) if options.int8_fraction else frozenset()
     tied = frozenset({"embed.weight"}) if manifest.config.get("tie_embeddings") else frozenset()
+    head = WeightSite("embed.weight" if tied else "lm_head.weight", "MatMul", "", "lm_head", (0, 0))
+    kept = options.chooser(manifest.n_layers, promoted)(head) is None          # `--keep lm_head`: nothing to split
+    split = plan_split(src, manifest, calib.samples, options.head_int8_rows, options.low_rows_spec().scheme) \
+        if options.split_head and calib is not None and not kept else None
+    if split is not None and tied:
+        tied = split.parts
     plan = options.plan(manifest.n_layers, calib.act_scales if calib else None,
                         calib.hessians if calib and options.method == "gptq" else None, promoted, tied)
     migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
@@ -145,7 +152,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     with atomic_dir(out, marker=MANIFEST) as tmp:
         paired = options.format == "fast" and manifest.kv_layout == "inplace" and manifest.prefill_chunk > 1
         shared = copy_shared(src, manifest.graphs, tmp)   # rope.data: read by every layer, copied as it is
-        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared)
+        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared, split)
         names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
         rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data}
                                                                    | {r.file for r in shared.values()})
@@ -192,10 +199,12 @@ def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool,
-                 shared: dict[str, Ref]) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
+                 shared: dict[str, Ref], split: HeadSplit | None,
+                 ) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
     (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time). `shared`: tensors
-    already in `tmp`'s copy of rope.data (copy_shared), pointed at there."""
+    already in `tmp`'s copy of rope.data (copy_shared), pointed at there. `split`: the head's rows split
+    (headsplit.py) in every graph reading its table, after AWQ (which leaves an int8 head alone)."""
     store = DataStore(tmp, shared)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
@@ -210,6 +219,8 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     model = _load_graph(safe_join(src, g.file), True)
                     if migrator is not None:
                         migrator.apply(model)          # AWQ scales, searched on the first variant
+                    if split is not None:
+                        split_head(model, split.table, split.hi)
                     found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
                     prune_initializers(model.graph)
                     done.append((dataclasses.replace(g, data=store.place(model, f"{stem}.data")), model))

@@ -3,7 +3,9 @@
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
   2. the lm_head                 `--lm-head` int8 (group 32) | int4 (`--group-size`, default 32) | fp32;
-                                 default: the linears' bits (the CLI's --bits 4: int8, CLI_DEFAULTS)
+                                 default: the linears' bits (the CLI's --bits 4: int8, CLI_DEFAULTS);
+                                 `--lm-head-int8-rows F` (int8 head, --bits 4): only the fraction F of its
+                                 vocabulary rows that matter most int8, the rest int4 (headsplit.py)
   3. `--int8-layers 0,-1`        every linear of those layers int8 (group 32; with `--bits 4`)
      `--int8-fraction F`         (with `--bits 4`) the linears that matter most, about a fraction F of the
                                  linears' weights, int8: chosen by measured sensitivity (mixed.py)
@@ -27,6 +29,7 @@ import numpy as np
 
 from edgellm.runtime.errors import need
 
+from .headsplit import HI, LO, part_name
 from .methods import QuantSpec
 from .plan import Chooser, Format, QuantPlan, WeightSite, by_pattern, site_matches
 from .schemes import Scheme
@@ -41,13 +44,14 @@ EMBEDDINGS: tuple[Embeddings, ...] = get_args(Embeddings)
 LM_HEADS: tuple[LmHead, ...] = get_args(LmHead)
 INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp16 scale = 8.5 bits/weight)
 # What `edgellm quantize --bits N` uses for the flags not given (the dataclass defaults below are the plain RTN
-# baseline that the API and tests build on). Chosen on SmolLM2-135M against llama.cpp (docs/quantization.md):
-# --bits 4: AWQ (KL 0.376 -> 0.288 at the same bytes) and the tied table int8 (the largest single error source
-# at int4, as llama.cpp's Q4_0/Q4_K_M keep it Q8_0); `--group "layers.*.mlp.down=64"` is the smaller setting.
-# --int8-fraction stays 0: with AWQ, 0.13 measured worse (KL 0.288 -> 0.321), with RTN 0.25 better (0.376 ->
-# 0.252, +13 MB).
-CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0},
-                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0}}
+# baseline that the API and tests build on). Chosen on real checkpoints against llama.cpp (docs/quantization.md):
+# --bits 4: AWQ (SmolLM2 KL 0.376 -> 0.288 at the same bytes) and an int8 lm_head / tied table (the largest single
+# error source at int4: an int4 table 0.301 vs 0.205) for the 30 % of its rows that carry the probability on
+# calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
+# at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
+# stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
+CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3},
+                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0}}
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -70,6 +74,7 @@ class QuantizeOptions:
     int8_fraction: float = 0.0
     fp16_scales: bool = True            # scales rounded to and (fast format) stored as float16
     groups: tuple[tuple[str, int], ...] = ()  # `--group PATTERN=N`: (pattern, block size) of matmul weights
+    head_int8_rows: float = 1.0         # `--lm-head-int8-rows`: the int8 head's rows kept int8 (headsplit.py)
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -96,6 +101,13 @@ class QuantizeOptions:
              f"--int8-fraction: expected a number in 0..1, got {self.int8_fraction!r}")
         need(self.int8_fraction == 0.0 or self.bits == 4, "--int8-fraction: only with --bits 4")
         need(not self.act_order or self.method == "gptq", "--act-order: only with --method gptq")
+        need(isinstance(self.head_int8_rows, int | float) and 0.0 < self.head_int8_rows <= 1.0,
+             f"--lm-head-int8-rows: expected a fraction in (0, 1], got {self.head_int8_rows!r}")
+        need(not self.split_head or (self.bits == 4 and self.head == "int8"),
+             "--lm-head-int8-rows: only with --bits 4 and an int8 lm_head (the other rows are int4)")
+        need(not self.split_head or self.format == "fast",
+             "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
+             "a tied lookup)")
         for pattern in self.keep:
             need(isinstance(pattern, str) and pattern != "", "--keep: expected a non-empty pattern")
         for rule in self.groups:
@@ -144,17 +156,33 @@ class QuantizeOptions:
             return self.lm_head
         return "int4" if self.bits == 4 else "int8"
 
+    @property
+    def split_head(self) -> bool:
+        """Whether the lm_head is split by rows (headsplit.py): `--lm-head-int8-rows` below 1."""
+        return self.head_int8_rows < 1.0
+
     def lm_head_spec(self) -> QuantSpec | None:
         if self.head == "fp32":
             return None
         if self.head == "int8":
             return self.promoted_spec()
+        return self.int4_head_spec()
+
+    def int4_head_spec(self) -> QuantSpec:
+        """`--lm-head int4`."""
         return self._spec(Scheme(4, self.group or 32, self.symmetric))
+
+    def low_rows_spec(self) -> QuantSpec:
+        """The int4 rows of a split head: rounded to nearest, the rounding their importance was measured with
+        (headsplit.py), with no activation scales of their own for awq's weighted search."""
+        return QuantSpec(self.int4_head_spec().scheme, "rtn" if self.method in ("awq", "mse") else self.method)
 
     def chooser(self, n_layers: int, promoted: frozenset[str] = frozenset()) -> Chooser:
         """`promoted`: module paths or initializer names that get int8 (`--int8-fraction`'s choice)."""
         rules: list[tuple[str, QuantSpec | None]] = [(p, None) for p in self.keep]
-        rules.append(("lm_head", self.lm_head_spec()))
+        # a split head's parts answer to "lm_head" (--keep, --group) and to their own names
+        rules += [(f"lm_head.{HI}.weight", self.promoted_spec()), (f"lm_head.{LO}.weight", self.low_rows_spec()),
+                  ("lm_head", self.lm_head_spec())]
         rules += [(f"layers.{i % n_layers}.*", self.promoted_spec()) for i in self.int8_layers]
         rules += [(name, self.promoted_spec()) for name in sorted(promoted)]
         embed = self.int8_spec() if self.embeddings == "int8" else None
@@ -179,7 +207,7 @@ class QuantizeOptions:
     @property
     def calibrated(self) -> bool:
         """Whether quantizing needs calibration (activation scales, Hessians)."""
-        return self.method in ("awq", "gptq") or self.int8_fraction > 0
+        return self.method in ("awq", "gptq") or self.int8_fraction > 0 or self.split_head
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -195,6 +223,11 @@ def logical_site(site: WeightSite) -> WeightSite:
     if site.name in TIED_NAMES:
         module = "embed" if site.op == "Gather" else "lm_head"
         return WeightSite(f"{module}.weight", site.op, site.node, module, site.shape)
+    part = next((p for t in TIED_NAMES for p in (HI, LO) if site.name == part_name(t, p)), None)
+    if part is not None:          # a part of a row-split head (headsplit.py); a lookup in it is "embed"
+        module = "embed" if site.op == "Gather" else "lm_head"
+        name = site.name if site.op == "Gather" else f"lm_head.{part}.weight"
+        return WeightSite(name, site.op, site.node, module, site.shape)
     return site
 
 

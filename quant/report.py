@@ -60,5 +60,6 @@ def ratio_by_kind(rows: Sequence[tuple[str, WeightReport]]) -> dict[str, float]:
         before = sum(r.bytes_before for r in sel)
         return sum(r.bytes_after for r in sel) / before if before else 1.0
     quantized = [r for _, r in rows if r.scheme != "fp32" and not r.shared_with]
-    linears = [r for name, r in rows if r.scheme != "fp32" and r.op != "Gather" and name != "lm_head.weight"]
+    linears = [r for name, r in rows if r.scheme != "fp32" and r.op != "Gather"
+               and not name.startswith("lm_head.")]
     return {"linears": ratio(linears), "quantized": ratio(quantized)}

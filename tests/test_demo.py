@@ -29,10 +29,13 @@ def test_demo_quantizes_to_int8_and_int4_and_runs_every_export(tmp_path, capfd):
     for manifest, bits, group in ((int8, 8, INT8_GROUP), (int4, 4, 32)):
         assert manifest.quantization["options"]["bits"] == bits
         weights = manifest.quantization["weights"]
-        linears = [w for n, w in weights.items() if w["op"] != "Gather" and n != "lm_head.weight"]
+        linears = [w for n, w in weights.items() if w["op"] != "Gather" and not n.startswith("lm_head.")]
         assert linears and {w["bits"] for w in linears} == {bits}
         assert {w["block_size"] for w in linears} == {group}
-        assert weights["lm_head.weight"]["bits"] == 8  # `quantize --bits 4` keeps the lm_head int8 (CLI default)
+    # `quantize --bits 8` keeps the lm_head int8; `--bits 4` its rows that carry the probability (CLI default)
+    assert int8.quantization["weights"]["lm_head.weight"]["bits"] == 8
+    parts = int4.quantization["weights"]
+    assert (parts["lm_head.hi.weight"]["bits"], parts["lm_head.lo.weight"]["bits"]) == (8, 4)
 
     # each export generated text: the side-by-side greedy lines are non-empty
     for name in ("fp32", "int8", "int4"):

@@ -111,8 +111,11 @@ def test_fix_command_is_pasteable_and_accepted_by_edgellm_quantize():
       "lm_head": "fp32", "int8_layers": [0], "format": "portable", "accuracy_level": None},
      [0, 2], dict(bits=4, group=64, symmetric=False, method="awq", calibration_tokens=256, seed=5, head="fp32",
                   int8_layers=(0, 2), keep=("layers.0.*",), format="portable")),
-    ({**INT4, "lm_head": "int8", "embeddings": "fp32", "keep": ["lm_head"]}, [],
-     dict(bits=4, head="int8", embeddings="fp32", keep=("lm_head",), int8_layers=())),
+    ({**INT4, "lm_head": "int8", "embeddings": "fp32", "keep": ["lm_head"]}, [],   # from before the head split
+     dict(bits=4, head="int8", embeddings="fp32", keep=("lm_head",), int8_layers=(), head_int8_rows=1.0)),
+    ({**INT4, "lm_head": "int8", "head_int8_rows": 0.3}, [1], dict(head="int8", head_int8_rows=0.3, int8_layers=(1,))),
+    ({**INT4, "lm_head": "int8", "head_int8_rows": 0.5}, [1], dict(head="int8", head_int8_rows=0.5)),
+    ({**INT4, "lm_head": "int4"}, [1], dict(head="int8", head_int8_rows=0.3)),      # the fix's int8 head: split
 ])
 def test_fix_repeats_the_recorded_options(options, layers, want):
     """The command rebuilds the variant as it was quantized, plus the fix: int8 models keep the layers

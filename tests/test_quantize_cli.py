@@ -299,7 +299,7 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_cli_defaults_per_bits() -> None:
-    """`--bits 4` without other flags: AWQ and an int8 table (CLI_DEFAULTS);
+    """`--bits 4` without other flags: AWQ and an int8 table for 30 % of its rows (CLI_DEFAULTS);
     `--bits 8`: RTN at Q8_0's g32; a flag given wins over the default."""
     from edgellm.cli import build_parser
     from edgellm.cli.quantize import options_from_args
@@ -311,6 +311,10 @@ def test_cli_defaults_per_bits() -> None:
     assert (o8.method, o8.head, o8.int8_fraction, o8.group, o8.fp16_scales) == ("rtn", "int8", 0.0, 32, True)
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
+    # the int8 head's rows split by default where it can be: an int8 head in the fast format
+    assert (o4.head_int8_rows, o8.head_int8_rows, small.head_int8_rows) == (0.3, 1.0, 1.0)
+    assert opts("--bits", "4", "--format", "portable").head_int8_rows == 1.0
+    assert opts("--bits", "4", "--lm-head-int8-rows", "1").head_int8_rows == 1.0
     assert (o4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \
         ((), (("layers.*.attn.o", 64), ("lm_head", 0)))
 
@@ -345,6 +349,10 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--group", "layers.*=48"], "--group layers.*=48: expected a block size"),
     (["--bits", "4", "--group", "layers.*"], "--group: expected PATTERN=N"),
     (["--bits", "4", "--group", "layer.*.mlp.down=64"], "--group layer.*.mlp.down=64: matches no weight"),
+    (["--bits", "8", "--lm-head-int8-rows", "0.3"], "--lm-head-int8-rows: only with --bits 4"),
+    (["--bits", "4", "--lm-head", "int4", "--lm-head-int8-rows", "0.3"], "--lm-head-int8-rows: only with --bits 4"),
+    (["--bits", "4", "--lm-head-int8-rows", "0"], "--lm-head-int8-rows: expected a fraction"),
+    (["--bits", "4", "--format", "portable", "--lm-head-int8-rows", "0.3"], "--lm-head-int8-rows: only with"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:
     _, src = untied

@@ -73,7 +73,7 @@ def test_greedy_speculation_gives_the_plain_tokens(case, tmp_path: Path) -> None
     assert cont == cont_plain
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32-tied", "int4"])
+@pytest.mark.parametrize("case", ["fp32", "fp32-tied", "int4", "int4-split-head", "int4-split-tied"])
 def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: Path, case: str) -> None:
     """Why greedy speculation can be exact, not merely close: each row of a k + 1 row verification is computed
     bit for bit as the decode step of that token computes it (fused attention always runs >= 2 rows,
@@ -83,8 +83,13 @@ def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: P
     from edgellm.runtime.manifest import read_manifest
     from tests.quant_helpers import quantize
 
+    def split(src: Path) -> Path:   # the --bits 4 default head: int8 and int4 rows, one GatherElements
+        return quantize(src, tmp_path / "split", bits=4, method="rtn", lm_head="int8", head_int8_rows=0.3,
+                        calibration_tokens=64)
+    tied = lambda: export(tmp_path, "llama2", "layer", "fused", tie_embeddings=True)  # noqa: E731
     out = {"fp32": lambda: llama, "int4": lambda: quantize(llama, tmp_path / "int4", bits=4, method="rtn"),
-           "fp32-tied": lambda: export(tmp_path, "llama2", "layer", "fused", tie_embeddings=True)}[case]()
+           "fp32-tied": tied, "int4-split-head": lambda: split(llama),
+           "int4-split-tied": lambda: split(tied())}[case]()
     engine = Engine.open(out, read_manifest(out))
     logits, fed, steps = engine.forward(PROMPT).copy(), [], []
     for _ in range(24):  # plain greedy decoding, one S = 1 step per token

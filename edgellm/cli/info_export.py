@@ -29,7 +29,13 @@ def _precision(m: Manifest) -> str:
     fmt = o.get("format", "?")
     return (f"{linears} {'sym' if o.get('symmetric', True) else 'asym'} {o.get('method', '?')}, format {fmt}"
             + (f" (accuracy level {q.get('accuracy_level', '?')})" if fmt == "fast" else "")
-            + f", lm_head {o.get('lm_head') or f'int{bits}'}, embeddings {o.get('embeddings', '?')}")
+            + f", lm_head {o.get('lm_head') or f'int{bits}'}{_rows(o)}, embeddings {o.get('embeddings', '?')}")
+
+
+def _rows(options: dict) -> str:
+    """A row-split lm_head (quant/headsplit.py): which share of its rows is int8."""
+    rows = options.get("head_int8_rows", 1.0)
+    return f" ({rows:.0%} of its rows, the rest int4)" if isinstance(rows, int | float) and rows < 1 else ""
 
 
 def _per_token(m: Manifest) -> str:

@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "linear's Hessian from the same calibration activations")
     p.add_argument("--embeddings", default="int8", metavar="{int8,fp32}", help="int8 (per row, default) or fp32")
     p.add_argument("--lm-head", default=None, metavar="{int8,int4,fp32}",
-                   help="int8 (groups of 32), int4 (--group-size groups) or fp32; default int8 (int4 decodes "
-                        "~10%% faster, int8 halves the int4 model's KL). A tied lm_head and the embedding lookup "
+                   help="int8 (groups of 32; with --bits 4 only for --lm-head-int8-rows of its rows), int4 "
+                        "(--group-size groups) or fp32; default int8. A tied lm_head and the embedding lookup "
                         "share one table")
     p.add_argument("--keep", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help='keep matching weights fp32: fnmatch on module paths, e.g. "layers.0.*" "lm_head" '
@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--int8-fraction", type=number, default=None, metavar="F",
                    help="--bits 4: about this fraction of the linears' weights int8, the most sensitive ones as "
                         "measured on calibration data (default 0)")
+    p.add_argument("--lm-head-int8-rows", type=number, default=None, metavar="F",
+                   help="--bits 4, int8 lm_head: only this fraction of its vocabulary rows int8, those carrying "
+                        "the probability on calibration text; the rest int4 (default 0.3; 1: every row int8)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
@@ -83,6 +86,15 @@ def pattern_size(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"expected PATTERN=N (N an integer), got {text!r}") from None
 
 
+def _head_rows(args: argparse.Namespace, default: dict) -> float:
+    """--lm-head-int8-rows as given; by default the --bits default where the head can be split (an int8 head in
+    the fast format), else every row (an int4 or fp32 head, or portable, has nothing to split)."""
+    if args.lm_head_int8_rows is not None:
+        return args.lm_head_int8_rows
+    splittable = (args.lm_head or default["lm_head"]) == "int8" and args.format == "fast"
+    return default["head_int8_rows"] if splittable else 1.0
+
+
 def options_from_args(args: argparse.Namespace):
     from edgellm.quant.options import CLI_DEFAULTS, QuantizeOptions
 
@@ -94,7 +106,8 @@ def options_from_args(args: argparse.Namespace):
         embeddings=args.embeddings, lm_head=args.lm_head or default["lm_head"], keep=tuple(args.keep),
         int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
-        int8_fraction=fraction, groups=tuple(args.group))
+        int8_fraction=fraction, groups=tuple(args.group),
+        head_int8_rows=_head_rows(args, default))
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options

@@ -112,10 +112,15 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         if options.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
             argv += [f"--{key}", str(options[key])]
     head = options.get("lm_head") or ("int4" if bits == 4 else "int8")
+    # an int8 head keeps its rows as they were (a manifest from before `--lm-head-int8-rows`: every row int8)
+    rows = float(options.get("head_int8_rows", 1.0)) if head == "int8" else None
     if head == "int4":
         head = "int8"  # the fix: the largest single matrix, and int4's biggest KL source
     if head != ("int4" if bits == 4 else "int8"):
         argv += ["--lm-head", head]
+    split_default = 0.3 if bits == 4 and options.get("format", "fast") == "fast" else 1.0  # CLI_DEFAULTS
+    if rows is not None and rows != split_default:
+        argv += ["--lm-head-int8-rows", f"{rows:g}"]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
     for layer in fix_layers:
