@@ -143,7 +143,8 @@ def split_head(model: onnx.ModelProto, table: str, hi: np.ndarray) -> bool:
         rows_are_n = node.op_type == "Gemm" and attrs.get("transB", 0) == 1 and node.input[1] == table
         cols_are_n = node.op_type == "MatMul" and node.input[1] == table
         if not (rows_are_n or cols_are_n) or len(node.input) > 2:
-            raise ValueError(f"{table}: read by {node.op_type} {p}, which the row split does not rewrite")
+            raise EdgeError(f"{table}: read by {node.op_type} {p}, which the row split does not rewrite (an "
+                            "export of an older format: re-export it, or quantize with --lm-head-int8-rows 1)")
         parts = []
         for part, sel in ((HI, hi), (LO, ~hi)):
             name = init(part_name(table, part), w[sel] if rows_are_n else w[:, sel])
