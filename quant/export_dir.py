@@ -109,6 +109,10 @@ def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
     return sites
 
 
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text is not None else None
+
+
 def _site(r: WeightReport) -> WeightSite:
     return WeightSite(r.name, r.op, "", r.module, r.shape)
 
@@ -134,8 +138,9 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     if options.calibrated and (calib is None or (hessians and not calib.hessians)):
         with tqdm(total=options.calibration_tokens, desc="calibrate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
-            calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update, hessians)
-        log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences sampled by the fp32 export")
+            calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update, hessians,
+                              _path(options.calibration_text))
+        log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences, {calib.to_dict()['source']}")
     promoted = _promotions(src, manifest, options, calib, progress, log) if options.int8_fraction else frozenset()
     tied = frozenset({"embed.weight"}) if manifest.config.get("tie_embeddings") else frozenset()
     head = WeightSite("embed.weight" if tied else "lm_head.weight", "MatMul", "", "lm_head", (0, 0))

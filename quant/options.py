@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
@@ -75,6 +76,7 @@ class QuantizeOptions:
     fp16_scales: bool = True            # scales rounded to and (fast format) stored as float16
     groups: tuple[tuple[str, int], ...] = ()  # `--group PATTERN=N`: (pattern, block size) of matmul weights
     head_int8_rows: float = 1.0         # `--lm-head-int8-rows`: the int8 head's rows kept int8 (headsplit.py)
+    calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -108,6 +110,11 @@ class QuantizeOptions:
         need(not self.split_head or self.format == "fast",
              "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
              "a tied lookup)")
+        if self.calibration_text is not None:
+            need(Path(self.calibration_text).is_file(),
+                 f"--calibration-text: {self.calibration_text}: not a file (expected a UTF-8 text file)")
+            need(self.calibrated, "--calibration-text: nothing here calibrates (it is for --method awq/gptq, "
+                                  "--int8-fraction and the head split of --lm-head-int8-rows)")
         for pattern in self.keep:
             need(isinstance(pattern, str) and pattern != "", "--keep: expected a non-empty pattern")
         for rule in self.groups:

@@ -60,6 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "0/1 = fp32 activations")
     p.add_argument("--calibration-tokens", type=integer, default=512, metavar="N",
                    help="tokens the fp32 export samples for --method awq/gptq and --int8-fraction (default 512)")
+    p.add_argument("--calibration-text", default=None, metavar="FILE",
+                   help="calibrate on the start of this UTF-8 text (tokenized by the export's tokenizer; "
+                        "--calibration-tokens of it) instead of text the export samples itself: use text like "
+                        "your users'")
     p.add_argument("--act-order", action="store_true",
                    help="--method gptq: quantize columns in order of decreasing activation energy")
     p.add_argument("--int8-fraction", type=number, default=None, metavar="F",
@@ -107,7 +111,7 @@ def options_from_args(args: argparse.Namespace):
         int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
         int8_fraction=fraction, groups=tuple(args.group),
-        head_int8_rows=_head_rows(args, default))
+        head_int8_rows=_head_rows(args, default), calibration_text=args.calibration_text)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options
