@@ -57,6 +57,8 @@ def variants(options: QuantizeOptions) -> list[tuple[str, QuantizeOptions]]:
         v = dataclasses.replace(options, **change)
         if v.method != "gptq":
             v = dataclasses.replace(v, act_order=False)
+        if not v.calibrated:    # a rung that reads no calibration (rtn, no split) has no use for the text
+            v = dataclasses.replace(v, calibration_text=None)
         out.append((label, v))
     return out
 

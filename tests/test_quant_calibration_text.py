@@ -65,3 +65,16 @@ def test_bad_calibration_text_is_one_line(src, tmp_path, capsys, make, flags, wa
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and want.format(missing=missing, path=path) in err, err
     assert not out.exists()
+
+
+def test_kl_budget_rungs_keep_the_text_only_where_they_calibrate(tmp_path) -> None:
+    from edgellm.quant.budget import variants
+    from edgellm.quant.options import QuantizeOptions
+
+    text = tmp_path / "users.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    ladder = variants(QuantizeOptions(method="rtn", calibration_text=str(text)))
+    for _, v in ladder:
+        v.validate()                                   # rtn rungs without a split would refuse the text
+        assert (v.calibration_text is not None) == v.calibrated
+    assert any(v.calibration_text for _, v in ladder) and not all(v.calibration_text for _, v in ladder)
