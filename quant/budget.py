@@ -73,8 +73,8 @@ def smallest_within(src: Path, out: Path, options: QuantizeOptions, budget: floa
         v.validate()
     existed = Path(out).exists()
     manifest = read_manifest(Path(src))
-    text = Path(options.calibration_text) if options.calibration_text is not None else None
-    calib = calibrate(Path(src), manifest, options.calibration_tokens, options.seed, hessians=True, text=text)
+    calib = calibrate(Path(src), manifest, options.calibration_tokens, options.seed, hessians=True,
+                      text=options.calibration_text)
     tried: list[Tried] = []
     for label, v in ladder:
         result = quantize_export(src, out, v, check=True, progress=progress, log=lambda _: None, calibration=calib)

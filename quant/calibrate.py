@@ -73,7 +73,7 @@ def sample_sequences(directory: Path, n_tokens: int, seed: int, length: int | No
     return sequences
 
 
-def text_sequences(directory: Path, text: Path, n_tokens: int, length: int | None = None) -> list[list[int]]:
+def text_sequences(directory: Path, text: str | Path, n_tokens: int, length: int | None = None) -> list[list[int]]:
     """The first ~`n_tokens` tokens of a text file, tokenized by the export's tokenizer, in sequences of up to
     `length` (each from a fresh context: BOS in front where the checkpoint's rule puts one)."""
     gen = Generator.open(directory, verify=False)
@@ -93,7 +93,7 @@ def text_sequences(directory: Path, text: Path, n_tokens: int, length: int | Non
 
 def calibrate(directory: Path, manifest: Manifest, n_tokens: int, seed: int,
               progress: Callable[[int], None] | None = None, hessians: bool = False,
-              text: Path | None = None) -> Calibration:
+              text: str | Path | None = None) -> Calibration:
     """Act scales of every weight of the export in `directory` over ~`n_tokens` tokens: sampled by the export
     itself, or the start of `text`."""
     sequences = text_sequences(directory, text, n_tokens) if text is not None else \

@@ -36,7 +36,7 @@ from . import mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate, sample_sequences
 from .headsplit import HeadSplit, plan_split, split_head
-from .onnxedit import prune_initializers
+from .onnxedit import load_graph, prune_initializers
 from .options import QuantizeOptions, logical_name, unmatched_keeps
 from .plan import QuantPlan, WeightReport, WeightSite
 from .report import LogitComparison, compare_logits
@@ -99,7 +99,7 @@ def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
     for g in manifest.graphs:
         if g.seq != manifest.prefill_chunk:
             continue
-        graph = _load_graph(safe_join(src, g.file), False).graph
+        graph = load_graph(safe_join(src, g.file), False).graph
         tables = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT}
         for n in graph.node:
             op = "Gather" if n.op_type == "Gather" else "MatMul"
@@ -107,10 +107,6 @@ def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
             if n.op_type in ("MatMul", "Gemm", "Gather") and name in tables:
                 sites.append(WeightSite(name, op, n.name, name.removesuffix(".weight"), (0, 0)))
     return sites
-
-
-def _path(text: str | None) -> Path | None:
-    return Path(text) if text is not None else None
 
 
 def _site(r: WeightReport) -> WeightSite:
@@ -139,7 +135,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         with tqdm(total=options.calibration_tokens, desc="calibrate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
             calib = calibrate(src, manifest, options.calibration_tokens, options.seed, bar.update, hessians,
-                              _path(options.calibration_text))
+                              options.calibration_text)
         log(f"calibration: {calib.tokens} tokens in {calib.sequences} sequences, {calib.to_dict()['source']}")
     promoted = _promotions(src, manifest, options, calib, progress, log) if options.int8_fraction else frozenset()
     tied = frozenset({"embed.weight"}) if manifest.config.get("tie_embeddings") else frozenset()
@@ -221,7 +217,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                 done: list[tuple[GraphSpec, onnx.ModelProto]] = []
                 for g in specs:
                     bar.set_postfix_str(g.name)
-                    model = _load_graph(safe_join(src, g.file), True)
+                    model = load_graph(safe_join(src, g.file), True)
                     if migrator is not None:
                         migrator.apply(model)          # AWQ scales, searched on the first variant
                     if split is not None:
@@ -258,7 +254,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
 
 
 def _opset(path: Path) -> int:
-    model = _load_graph(path, False)
+    model = load_graph(path, False)
     return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
 
 
@@ -307,11 +303,3 @@ def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, We
             "weight_bytes": {"before": before, "after": after},
             "check": comparison.to_dict() if comparison else None,
             "weights": weights}
-
-
-def _load_graph(path: Path, external: bool) -> onnx.ModelProto:
-    """onnx.load with a corrupt file reported as one line naming it (protobuf's DecodeError otherwise escapes)."""
-    try:
-        return onnx.load(str(path), load_external_data=external)
-    except Exception as err:  # google.protobuf DecodeError, OSError, onnx's own errors
-        raise EdgeError(f"{path}: not a readable ONNX graph ({' '.join(str(err).split())[:200]})") from None

@@ -33,6 +33,7 @@ from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.manifest import Manifest
 
+from .onnxedit import load_graph
 from .schemes import Scheme, dequantize, quantize
 
 HI, LO = "hi", "lo"      # the parts' name suffixes: `lm_head.hi.weight` (int8), `lm_head.lo.weight` (int4)
@@ -61,9 +62,7 @@ def plan_split(src: Path, manifest: Manifest, samples: dict[str, np.ndarray], fr
     table = "embed.weight" if tied else "lm_head.weight"
     head = next((g for g in manifest.graphs if g.role == "head"), None)
     need(head is not None, f"{src}: --lm-head-int8-rows: the export has no head graph")
-    model = onnx.load(str(safe_join(src, head.file)), load_external_data=False)
-    onnx.load_external_data_for_model(model, str(src))
-    w = head_rows(model.graph, table)
+    w = head_rows(load_graph(safe_join(src, head.file), True).graph, table)
     x = samples.get(table)
     need(x is not None and len(x) > 0, f"{src}: --lm-head-int8-rows: the calibration saw no input of {table}")
     return HeadSplit(table, choose_rows(row_importance(x, w, low), fraction))

@@ -1,10 +1,23 @@
-"""Small edits of ONNX graphs shared by the quantization rewrites: names in use, dropping initializers nothing
-reads, raising an opset import."""
+"""Small edits of ONNX graphs shared by the quantization rewrites: loading one, names in use, dropping
+initializers nothing reads, raising an opset import."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 from onnx import helper
+
+from edgellm.runtime.errors import EdgeError
+
+
+def load_graph(path: Path, external: bool) -> onnx.ModelProto:
+    """onnx.load with a corrupt file reported as one line naming it (protobuf's DecodeError otherwise escapes);
+    `external`: with its external data, read relative to the graph's folder."""
+    try:
+        return onnx.load(str(path), load_external_data=external)
+    except Exception as err:  # google.protobuf DecodeError, OSError, onnx's own errors
+        raise EdgeError(f"{path}: not a readable ONNX graph ({' '.join(str(err).split())[:200]})") from None
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:

@@ -118,8 +118,7 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         head = "int8"  # the fix: the largest single matrix, and int4's biggest KL source
     if head != ("int4" if bits == 4 else "int8"):
         argv += ["--lm-head", head]
-    split_default = 0.3 if bits == 4 and options.get("format", "fast") == "fast" else 1.0  # CLI_DEFAULTS
-    if rows is not None and rows != split_default:
+    if rows is not None and bits == 4:     # as recorded (an int4 head made int8 takes the CLI's default)
         argv += ["--lm-head-int8-rows", f"{rows:g}"]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
