@@ -29,7 +29,7 @@ from edgellm.layout.pairing import pair_layer
 from edgellm.layout.stacking import check_stack, write_stack
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
-from edgellm.runtime.manifest import MANIFEST, GraphSpec, Manifest, read_manifest
+from edgellm.runtime.manifest import COLUMNS_SINCE, MANIFEST, GraphSpec, Manifest, read_manifest
 from edgellm.runtime.tokenizer import copy_tokenizer
 
 from . import mixed
@@ -46,6 +46,10 @@ from .storage import DataStore, Ref, copy_shared
 from .tied import quantize_tied_gathers
 
 RECORD_VERSION = 1        # of the manifest's `quantization` object
+COLUMNS_FILE = "logit_columns.i32"   # a split head's column -> token id map (runtime/columns.py)
+# a split head needs format 12's logit_columns; 10 and 11 differ from 12 in nothing a quantized export keeps
+# (8-9: no spare cache row, which the version number tells the runtime, so they cannot be relabelled)
+SPLIT_SINCE = 10
 CHECK_TOKENS = 128        # positions compared against fp32 after quantizing (one sampled sequence)
 
 
@@ -126,6 +130,9 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     _check_paths(src, out)
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
+    need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
+         f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
+         f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
     if missing:
         raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
@@ -163,10 +170,17 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
             if template is not None:
                 shutil.copyfile(safe_join(src, template), tmp / template)
             rels += [tok] + ([template] if template is not None else [])
+        columns = None
+        if split is not None:  # the split head's logits come in split order (manifest format 12)
+            columns = COLUMNS_FILE
+            (tmp / columns).write_bytes(split.columns.astype("<i4").tobytes())
+            rels.append(columns)
         files = describe_files(tmp, rels)
         opset = max(_opset(tmp / g.file) for g in graphs)
+        version = COLUMNS_SINCE if columns else manifest.format_version
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
-                                  opset=opset, quantization={}, verification={})
+                                  opset=opset, quantization={}, verification={}, logit_columns=columns,
+                                  format_version=max(version, manifest.format_version))
         comparison, stack_diff = _check(src, manifest, tmp, new, options.seed) if check else (None, None)
         record = _record(options, plan, names, calib, comparison, manifest, src,
                          migrator.alpha if migrator else {})
@@ -241,6 +255,10 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     if model is not None:
                         (tmp / g.file).write_bytes(model.SerializeToString())
                     graphs.append(g)
+                if stem == "head" and split is not None and split.tied and done[0][0].data:
+                    # the embedding's lookup of a split tied table reads the head's codes and this position
+                    # table: stored beside them, so that the embedding graph reads one data file
+                    store.put(done[0][0].data, split.pos_of.tobytes())
                 del done
                 if stem != "head":     # the embedding unit after the head may still need its tied table
                     plan.memo.clear()

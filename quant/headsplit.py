@@ -13,8 +13,9 @@ keeps the F * V most important rows int8.
 The split is made on the fp32 graphs, before the generic rewrite, so every later step (MatMulNBits packing,
 the tied lookup reading the head's codes, pairing, the stack) sees two ordinary tables:
   head    Gemm(h, E, transB=1) [n, V]  ->  Gemm(h, E_hi) [n, N1], Gemm(h, E_lo) [n, N2] --Concat--> [n, V]
-          (rows in split order) --GatherElements(axis=1, pos)--> [n, V] (vocabulary order); a MatMul(h, W [D, V])
-          head likewise, on columns;
+          in split order, the logits' columns (`HeadSplit.columns`: manifest format 12 `logit_columns`, read
+          by runtime/columns.py; putting them back in vocabulary order in the graph, GatherElements over an
+          expanded [n, V] index, cost 0.36 ms a step at V = 151936); a MatMul(h, W [D, V]) head likewise;
   lookup  Gather(E, ids) -> pos = Gather(pos_of, ids); Where(pos < N1, Gather(E_hi, min(pos, N1 - 1)),
           Gather(E_lo, max(pos - N1, 0)))   (a tied table: one copy of each part serves both uses)
 `pos_of` [V] int32: the position of token t in the split order (hi rows, then lo rows, each in id order).
@@ -53,6 +54,27 @@ class HeadSplit:
     @property
     def parts(self) -> frozenset[str]:
         return frozenset({part_name(self.table, HI), part_name(self.table, LO)})
+
+    @property
+    def tied(self) -> bool:
+        return self.table == "embed.weight"
+
+    @property
+    def pos_of(self) -> np.ndarray:
+        """int32 [V]: the position of each token in the split order (the tied lookup's table)."""
+        pos = np.empty(self.hi.shape[0], np.int32)
+        pos[split_order(self.hi)] = np.arange(self.hi.shape[0], dtype=np.int32)
+        return pos
+
+    @property
+    def columns(self) -> np.ndarray:
+        """int32 [V]: the token id of each column of the split head's logits (hi rows, then lo rows)."""
+        return split_order(self.hi).astype(np.int32)
+
+
+def split_order(hi: np.ndarray) -> np.ndarray:
+    """The split order of the rows: the hi rows' ids ascending, then the lo rows' (`choose_rows`' mask)."""
+    return np.concatenate([np.flatnonzero(hi), np.flatnonzero(~hi)])
 
 
 def plan_split(src: Path, manifest: Manifest, samples: dict[str, np.ndarray], fraction: float,
@@ -116,9 +138,7 @@ def split_head(model: onnx.ModelProto, table: str, hi: np.ndarray) -> bool:
     if table not in inits:
         return False
     w = numpy_helper.to_array(inits[table])
-    order = np.concatenate([np.flatnonzero(hi), np.flatnonzero(~hi)])
-    pos_of = np.empty(hi.shape[0], np.int32)
-    pos_of[order] = np.arange(hi.shape[0], dtype=np.int32)
+    pos_of = HeadSplit(table, hi).pos_of
     n_hi = int(hi.sum())
     new_nodes: list[onnx.NodeProto] = []
     used = False
@@ -151,15 +171,8 @@ def split_head(model: onnx.ModelProto, table: str, hi: np.ndarray) -> bool:
             new_nodes.append(helper.make_node(node.op_type, [node.input[0], name], [o], name=f"{p}/{part}",
                                               **attrs))
             parts.append(o)
-        # GatherElements, not Gather(axis=-1): onnxruntime 1.32's Gather copies one element per index (0.3 ms
-        # at V = 32000, more than the int4 rows save); GatherElements is a plain loop (~0.02 ms)
-        pos = init(f"{table}.pos_of_row", pos_of[None, :])
-        t = {k: f"{out}/{k}" for k in ("split_order", "shape", "index")}
-        new_nodes += [helper.make_node("Concat", parts, [t["split_order"]], name=f"{p}/concat", axis=-1),
-                      helper.make_node("Shape", [t["split_order"]], [t["shape"]], name=f"{p}/shape"),
-                      helper.make_node("Expand", [pos, t["shape"]], [t["index"]], name=f"{p}/index"),   # [n, V]
-                      helper.make_node("GatherElements", [t["split_order"], t["index"]], [out],
-                                       name=f"{p}/vocab_order", axis=-1)]
+        # the logits in split order: the runtime reads them through the manifest's logit_columns
+        new_nodes.append(helper.make_node("Concat", parts, [out], name=f"{p}/concat", axis=-1))
     if not used:
         return False
     graph.ClearField("node")

@@ -117,6 +117,14 @@ class DataStore:
             _refer(t, ref)
         return target
 
+    def put(self, file: str, raw: bytes) -> None:
+        """Write a tensor's bytes into `file` ahead of the graph that reads them, so that a later `place` finds
+        all of that graph's tensors there (a split tied table's lookup positions beside the head's codes)."""
+        index = self.where.setdefault(file, {})
+        key = content_key(raw)
+        if key not in index:
+            index[key] = self._write(file, raw)
+
     @property
     def files(self) -> list[str]:
         return sorted(self._ends)

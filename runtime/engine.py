@@ -22,6 +22,11 @@ opened on its first call.
 `few_rows` (speculative decoding's verification: the last token + k drafts) runs the paired stack and head
 (format 9) at S = n itself, bound to the decode sessions: no padding, the head on exactly those rows.
 
+Logits come in vocabulary order from `forward`, `forward_rows` and `few_rows`. A head whose columns are in
+another order (manifest format 12 `logit_columns`: a head quantized by rows) is read through `columns`
+(runtime/columns.py): the decode loop calls `forward_columns` / `few_columns` and picks with `columns.token`,
+so a greedy step never reorders the vector.
+
 A `hook` (forward_rows) sees every graph's bound buffers right after that graph ran (`GraphRun`): the diff
 reads the hidden state after each layer from it; the K/V rows are in the cache once the call returns.
 """
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .columns import Columns
 from .errors import EdgeError
 from .fileio import safe_join
 from .kvcache import KVCache, plan_calls
@@ -85,6 +91,8 @@ class Engine:
         self.table_interval_s = TABLE_INTERVAL_S
         self._tables_released = time.perf_counter()
         self.chunk = manifest.prefill_chunk
+        cols = manifest.logit_columns
+        self.columns = Columns.read(safe_join(self.directory, cols) if cols else None, manifest.vocab_size)
         self._paired: dict[str, InferenceSession] = {}  # paired graph file -> its one session
         self._rows_head: Variant | None = None  # the S = prefill_chunk head (forward_rows), opened on first use
         self._few: dict[int, Variant] = {}  # S = n variants of the paired stack + head (few_rows), built on first use
@@ -198,8 +206,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------ running
 
     def forward(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Feed `tokens` (all must fit in the cache); return the last one's logits [V] (a view of a buffer
-        the next call overwrites)."""
+        """Feed `tokens` (all must fit in the cache); return the last one's logits [V] in vocabulary order (a
+        view of a buffer the next call overwrites; a new array where `columns` reorders)."""
+        return self.columns.vocab(self.forward_columns(tokens))
+
+    def forward_columns(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`forward` with the logits in the head's column order (`columns`), always a view."""
         n = len(tokens)
         if not 0 < n <= self.cache.free:  # not need(): its message would be formatted on every step
             raise EdgeError(f"forward: {n} tokens do not fit the {self.cache.free} free cache rows")
@@ -218,6 +230,10 @@ class Engine:
         predicts the token after tokens[i]. A lone token costs what `forward` does; a prefill chunk's head runs
         at S = prefill_chunk (layer granularity). `hook`, when given, is called with a `GraphRun` right after
         each graph ran, the head included. The cache advances by n (`KVCache.rewind` takes rows back)."""
+        return self.columns.vocab(self._rows(tokens, hook))
+
+    def _rows(self, tokens: Sequence[int] | np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        """`forward_rows` in column order (a new array)."""
         n = len(tokens)
         if not 0 < n <= self.cache.free:
             raise EdgeError(f"forward_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
@@ -231,11 +247,16 @@ class Engine:
 
     def few_rows(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`forward_rows` for a few tokens (a speculative verification: the last token + k drafts): logits
-        [n, V] (a view of a buffer the next call overwrites). With `any_rows`, one call of the stack and the
-        head at S = n, sharing the decode sessions; otherwise `forward_rows` (prefill chunk padded)."""
+        [n, V] in vocabulary order (a view of a buffer the next call overwrites, or a new array). With
+        `any_rows`, one call of the stack and the head at S = n, sharing the decode sessions; otherwise
+        `forward_rows` (prefill chunk padded)."""
+        return self.columns.vocab(self.few_columns(tokens))
+
+    def few_columns(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`few_rows` in the head's column order (`columns`)."""
         n = len(tokens)
         if n == 1 or not self.any_rows:
-            return self.forward_rows(tokens)
+            return self._rows(tokens)
         if not n <= self.cache.free:
             raise EdgeError(f"few_rows: {n} tokens do not fit the {self.cache.free} free cache rows")
         v = self._few.get(n)

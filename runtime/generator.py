@@ -52,7 +52,7 @@ from .events import Result, TokenEvent
 from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
-from .sampling import SamplingParams, StopParams, argmax_checked, sample
+from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
 from .speculative import DRAFT_TOKENS, Costs, Stats, configure, speculation_off, speculative_tokens
 from .stats import make_timings, peak_rss_mb
@@ -267,15 +267,17 @@ class Generator:
         if stop.max_new_tokens == 0:
             self._carry = feed  # nothing generated: the prompt waits for the next call
         else:
-            logits = self.engine.forward(feed)
+            logits = self.engine.forward_columns(feed)   # the head's column order: `pick` reads it
             self._history[self.cache.length - len(feed):self.cache.length] = feed
             # the k-th new token is fed to row base + k - 1 (the last one is row max_seq - 1): counted here, not
             # read off the cache, whose length a verification has already moved past the accepted drafts
             base = self.cache.length
 
+            columns = self.engine.columns
+
             def pick(logits: np.ndarray) -> int:
-                return argmax_checked(logits) if plain_greedy else sample(
-                    logits, sampling, rng, self._history[:self.cache.length] if penalise else ())
+                return columns.token(logits) if plain_greedy else sample(
+                    columns.vocab(logits), sampling, rng, self._history[:self.cache.length] if penalise else ())
 
             source = self._plain_tokens(pick, logits)
             # greedy with a repetition penalty: plain (its per-row history is not worth the code)
@@ -326,7 +328,7 @@ class Generator:
         while True:
             token = pick(logits)
             yield token
-            logits = self.engine.forward((token,))
+            logits = self.engine.forward_columns((token,))
             self._carry = []
             self._history[self.cache.length - 1] = token
 

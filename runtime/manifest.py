@@ -25,6 +25,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      `tokenizer.file`, so a 10's tokenizer.json still reads); a tied table is stored once as E [V, D], the head
      reading it as Gemm(h, E, transB=1) and the embedding gathering rows (export/graphs.py; 10 stored E^T [D, V]
      and gathered columns). The graphs' I/O is unchanged.
+ 12  `logit_columns` (null, or a listed file of V int32 little-endian token ids): the head's logits come in that
+     column order (a head quantized by rows computes its int8 and int4 rows apart, quant/headsplit.py) and the
+     runtime reads them through runtime/columns.py instead of the graph gathering them back (11 did that in the
+     graph). Nothing else changed: a quantize of a 10 or 11 export that splits the head writes 12.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -48,11 +52,12 @@ from .sampling import SamplingParams
 from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 11
-READS = (8, 9, 10, 11)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 12
+READS = (8, 9, 10, 11, 12)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
+COLUMNS_SINCE = 12  # the first format with `logit_columns`
 OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
 TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -99,6 +104,7 @@ class Manifest:
     verification: dict[str, float] = field(default_factory=dict)  # graph name -> max |diff| / max(1, |ref|) vs PyTorch
     kv_head_dim: int | None = None               # cache row width if heads are zero-padded (format 7), else null
     kv_cache_rows: tuple[int, ...] | None = None  # each layer's cache rows when some are rings (format 8), else null
+    logit_columns: str | None = None             # the head's column -> token id file (format 12), else null
     format_version: int = FORMAT_VERSION  # what the graphs were written as (< 10: no spare cache row)
 
     def __post_init__(self) -> None:
@@ -162,6 +168,12 @@ class Manifest:
              f"kv_head_dim: zero-padded heads exist in kv_layout 'inplace' only, got {self.kv_layout!r}")
         need(self.max_seq >= 1, f"max_seq: expected >= 1, got {self.max_seq}")
         need(self.format_version in READS, f"format_version: expected one of {READS}, got {self.format_version!r}")
+        need(self.logit_columns is None or self.format_version >= COLUMNS_SINCE,
+             f"logit_columns: needs format_version {COLUMNS_SINCE}, this manifest says {self.format_version}")
+        need(self.logit_columns is None or self.logit_columns in self.files,
+             f"logit_columns: {self.logit_columns!r} is not listed in files")
+        need(self.logit_columns is None or self.granularity == "layer",
+             "logit_columns: only a head graph (granularity 'layer') computes its logits in another order")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None
         need(self.kv_cache_rows == rows, f"kv_cache_rows: expected {list(rows) if rows else None} (the config's "
                                          f"sliding-window layers at max_seq {self.max_seq}), got "
@@ -242,6 +254,8 @@ class Manifest:
 
     def to_json(self) -> str:
         fields = asdict(self)  # in design.md order
+        if self.format_version < COLUMNS_SINCE:  # (None: validate) an older format's keys are exact
+            del fields["logit_columns"]
         doc = {"format": FORMAT, "format_version": fields.pop("format_version"), **fields}
         try:
             text = json.dumps(doc, indent=2, allow_nan=False)
@@ -306,6 +320,7 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "opset": "integer", "graphs": "array", "files": "object", "tokenizer": "object?", "bos_id": "integer?",
         "eos_id": "integer?", "eos_ids": "array", "sampler": "object", "quantization": "object?", "export_options": "object",
         "verification": "object", "kv_head_dim": "integer?", "kv_cache_rows": "array?"}
+_TOP_12 = {**_TOP, "logit_columns": "string?"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
@@ -333,7 +348,7 @@ def _parse(doc: object) -> Manifest:
     if version == 8 and isinstance(doc.get("graphs"), list):
         need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
              "graphs: a paired head needs format_version 9, this manifest says 8")
-    d = checked(doc, _TOP, "")
+    d = checked(doc, _TOP_12 if version >= COLUMNS_SINCE else _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k != "format"}

@@ -51,13 +51,15 @@ DRAFT_TOKENS = 16
 NEAR_BEST = 0.95
 
 
-def accept_greedy(drafts: Sequence[int], rows: np.ndarray) -> tuple[int, int]:
-    """(drafts accepted, the token after them) for verification logits rows [len(drafts) + 1, V]."""
+def accept_greedy(drafts: Sequence[int], rows: np.ndarray,
+                  token: Callable[[np.ndarray], int] = argmax_checked) -> tuple[int, int]:
+    """(drafts accepted, the token after them) for verification logits rows [len(drafts) + 1, V]; `token`: a
+    row's greedy id (`Columns.token` for rows in a head's column order)."""
     for i, d in enumerate(drafts):
-        t = argmax_checked(rows[i])
+        t = token(rows[i])
         if t != d:
             return i, t
-    return len(drafts), argmax_checked(rows[len(drafts)])
+    return len(drafts), token(rows[len(drafts)])
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -270,20 +272,20 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
             drafts = drafter.propose(k) if k > 0 else []
             start = cache.length
             if not drafts:
-                logits = engine.forward((token,))
+                logits = engine.forward_columns((token,))
                 history[start] = token
                 gen._carry = []
                 adaptive.timed_step(perf_counter() - t0)
                 token = pick(logits)
                 continue
             k = len(drafts)
-            rows = engine.few_rows([token, *drafts])
+            rows = engine.few_columns([token, *drafts])   # the head's column order (Engine.columns)
             history[start:start + k + 1] = (token, *drafts)
             gen._carry = []
             if sampling is None:
-                n, after = accept_greedy(drafts, rows)
+                n, after = accept_greedy(drafts, rows, engine.columns.token)
             else:
-                n, after = accept_sampled(drafts, rows, sampling, rng, history[:start + 1])
+                n, after = accept_sampled(drafts, engine.columns.vocab(rows), sampling, rng, history[:start + 1])
             cache.rewind(start + 1 + n)  # rejected rows: past the length, never read
             adaptive.verified(k, n, perf_counter() - t0)
             stats.drafted += k

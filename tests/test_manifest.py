@@ -3,10 +3,13 @@ byte-level fuzzing that must only ever produce EdgeError. (The file helpers: tes
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -72,7 +75,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 11
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 12
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     rows = 16 + (SPARE_ROWS if layout == "inplace" else 0)
     assert f'"shape": [1, 2, {rows}, 4]' in text  # shapes on one line
@@ -166,8 +169,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=12, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 12 is not supported \(this edgellm reads 8-11; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=13, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 13 is not supported \(this edgellm reads 8-12; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -200,11 +203,37 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d.update(sampler={"top_p": 2}), "sampler: top_p: expected"),
     (lambda d: d.update(verification={"x": "small"}), r"verification\['x'\]: expected number"),
     (lambda d: d.update(bos_id=True), "bos_id: expected integer or null, got boolean"),
+    (lambda d: d.pop("logit_columns"), r"missing key\(s\) \['logit_columns'\]"),
+    (lambda d: d.update(logit_columns="cols.i32"), "logit_columns: 'cols.i32' is not listed in files"),
+    (lambda d: d.update(logit_columns=3), "logit_columns: expected string or null, got integer"),
+    (lambda d: d.update(format_version=11), r"unknown key\(s\) \['logit_columns'\]"),   # a 12 key in an 11
 ])
 def test_malformed_manifest_names_the_key(tmp_path: Path, change, match: str) -> None:
     make_export(tmp_path)
     edit(tmp_path, change)
     rejects(tmp_path, match)
+
+
+def test_logit_columns_need_format_12_and_a_head(tmp_path: Path) -> None:
+    """Format 12's head column order is read only from 12 on; an 11 manifest reads without the key and is
+    written back without it."""
+    old = make_export(tmp_path / "v11", version=11)
+    assert old.logit_columns is None and "logit_columns" not in (tmp_path / "v11" / MANIFEST).read_text()
+    assert read_manifest(tmp_path / "v11") == old
+    make_export(tmp_path / "v12")
+    (tmp_path / "v12" / "logit_columns.i32").write_bytes(np.arange(32, dtype="<i4").tobytes())
+
+    def add(d: dict) -> None:
+        d["files"]["logit_columns.i32"] = {"sha256": hashlib.sha256(np.arange(32, dtype="<i4").tobytes()).hexdigest(),
+                                           "bytes": 128}
+        d["logit_columns"] = "logit_columns.i32"
+    edit(tmp_path / "v12", add)
+    assert read_manifest(tmp_path / "v12").logit_columns == "logit_columns.i32"
+    with pytest.raises(EdgeError, match="logit_columns: needs format_version 12, this manifest says 11"):
+        dataclasses.replace(read_manifest(tmp_path / "v12"), format_version=11)
+    model = make_export(tmp_path / "model", granularity="model")
+    with pytest.raises(EdgeError, match="logit_columns: only a head graph"):
+        dataclasses.replace(model, logit_columns="tokenizer.json")
 
 
 def test_not_json_and_missing_manifest(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 from edgellm.cli import main
-from edgellm.quant.headsplit import choose_rows, part_name, row_importance, split_head
+from edgellm.quant.headsplit import choose_rows, part_name, row_importance, split_head, split_order
 from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.schemes import Scheme, dequantize, from_matmulnbits, quantize
 from edgellm.runtime.manifest import read_manifest
@@ -70,8 +70,10 @@ def test_split_fp32_graphs_compute_the_same_logits_and_rows(which, tied, untied)
     assert table not in {t.name for t in split.graph.initializer}
     h = np.random.default_rng(2).normal(size=(1, m.prefill_chunk, m.config["dim"])).astype(np.float32)
     want, got = (session(g).run(["logits"], {"hidden": h})[0] for g in (head, split))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    columns = split_order(hi)                             # the split head's logits: hi rows' ids, then lo rows'
+    assert sorted(columns[:hi.sum()]) == list(columns[:hi.sum()]) and set(columns[:hi.sum()]) == set(np.flatnonzero(hi))
+    np.testing.assert_allclose(got, want[..., columns], rtol=0, atol=1e-5)
+    assert (columns[got.argmax(-1)] == want.argmax(-1)).all()
     if which == "tied":                                   # the lookup: the very rows, from either part
         embed = load(src / m.graph("embed", m.prefill_chunk).file)
         assert split_head(embed, table, hi)
@@ -102,9 +104,11 @@ def test_quantized_split_head_is_two_kernels_and_one_shared_copy(tied, tmp_path,
     head = load(out / m.graph("head", 1).file).graph
     parts = part_tables(head)
     assert sorted(parts) == [4, 8]
-    pos = numpy_helper.to_array(next(t for t in head.initializer if t.name == "embed.weight.pos_of_row"))[0]
-    table = np.concatenate([parts[8], parts[4]])[pos]                  # [V, D] in vocabulary order
-    assert table.shape == (v, d)
+    assert m.format_version == 12 and m.logit_columns == "logit_columns.i32"
+    columns = np.fromfile(out / m.logit_columns, "<i4")                # the head's column -> token id
+    assert sorted(columns) == list(range(v))
+    table = np.empty((v, d), np.float32)
+    table[columns] = np.concatenate([parts[8], parts[4]])               # [V, D] in vocabulary order
     # one copy: the lookup reads the head's codes (bit-identical rows), and the file shrank by the int4 rows
     model = load(out / "embed.decode.onnx")
     lookup = session(model)
@@ -126,8 +130,52 @@ def test_untied_head_splits_and_keep_lm_head_leaves_it_whole(untied, tmp_path) -
     w = m.quantization["weights"]
     assert (w["lm_head.hi.weight"]["bits"], w["lm_head.lo.weight"]["bits"]) == (8, 4) and "lm_head.weight" not in w
     head = load(out / m.graph("head", 1).file).graph
-    assert sorted(part_tables(head)) == [4, 8] and "GatherElements" in {n.op_type for n in head.node}
+    assert sorted(part_tables(head)) == [4, 8] and m.logit_columns is not None
+    assert "GatherElements" not in {n.op_type for n in head.node}     # the runtime reads the columns
     kept = quantize_export(untied, tmp_path / "kept", bits=4, lm_head="int8", head_int8_rows=0.5,
                            keep=("lm_head",), calibration_tokens=64)
     w = read_manifest(kept).quantization["weights"]
     assert w["lm_head.weight"]["format"] == "fp32" and not any(".hi." in k or ".lo." in k for k in w)
+    assert read_manifest(kept).logit_columns is None
+
+
+def test_generation_reads_the_split_columns_as_vocabulary_logits(tied, tmp_path) -> None:
+    """The runtime picks from the head's split-order columns (Engine.columns, format 12): greedy tokens, with
+    speculation off and on, are those of argmax over the vocabulary-order logits `Engine.forward` returns,
+    and the tokens of the same head restored in the graph (format 11's GatherElements) match them."""
+    from edgellm.runtime.engine import Engine
+    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+
+    out = quantize_export(tied, tmp_path / "split", bits=4, lm_head="int8", head_int8_rows=0.3,
+                          calibration_tokens=64)
+    m = read_manifest(out)
+    engine = Engine.open(out, m)
+    assert not engine.columns.identity and len(engine.columns.runs) == 2
+    prompt = [1, 5, 9, 3, 7, 5, 9]
+    want, logits = [], engine.forward(prompt)
+    for _ in range(20):
+        want.append(int(np.argmax(logits)))
+        raw = engine.forward_columns([want[-1]])
+        logits = engine.columns.vocab(raw)
+        assert np.array_equal(raw, logits[engine.columns.ids])
+    gen = Generator.open(out)
+    for mode in ("off", "lookup"):
+        gen.speculate(mode)
+        got = gen.complete(prompt, SamplingParams(temperature=0), StopParams(20), ignore_eos=True, text=False)
+        assert got.token_ids == want, mode
+    # the same graphs with the order restored inside the head (what format 11 did): the same logits
+    head = load(out / m.graph("head", 1).file)
+    concat = next(n for n in head.graph.node if n.op_type == "Concat")
+    logits_in_order = concat.output[0]
+    concat.output[0] = "split_order"
+    pos = numpy_helper.from_array(np.argsort(engine.columns.ids).astype(np.int64)[None, :], "pos")
+    head.graph.initializer.append(pos)
+    head.graph.node.extend([onnx.helper.make_node("Shape", ["split_order"], ["shape"]),
+                            onnx.helper.make_node("Expand", ["pos", "shape"], ["index"]),
+                            onnx.helper.make_node("GatherElements", ["split_order", "index"], [logits_in_order],
+                                                  axis=-1)])
+    h = np.random.default_rng(3).normal(size=(1, 3, m.config["dim"])).astype(np.float32)
+    raw = session(load(out / m.graph("head", 1).file)).run(["logits"], {"hidden": h})[0]
+    restored = session(head).run(["logits"], {"hidden": h})[0]
+    assert np.array_equal(engine.columns.vocab(raw), restored)
