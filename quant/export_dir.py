@@ -130,12 +130,12 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     _check_paths(src, out)
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
-    need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
-         f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
-         f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
     if missing:
         raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
+    need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
+         f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
+         f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0
     if options.calibrated and (calib is None or (hessians and not calib.hessians)):
@@ -177,10 +177,10 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
             rels.append(columns)
         files = describe_files(tmp, rels)
         opset = max(_opset(tmp / g.file) for g in graphs)
-        version = COLUMNS_SINCE if columns else manifest.format_version
+        version = max(COLUMNS_SINCE, manifest.format_version) if columns else manifest.format_version
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
                                   opset=opset, quantization={}, verification={}, logit_columns=columns,
-                                  format_version=max(version, manifest.format_version))
+                                  format_version=version)
         comparison, stack_diff = _check(src, manifest, tmp, new, options.seed) if check else (None, None)
         record = _record(options, plan, names, calib, comparison, manifest, src,
                          migrator.alpha if migrator else {})

@@ -372,3 +372,27 @@ def test_cli_refuses_bad_directories(untied, tmp_path, capsys) -> None:
     for args, message in cases:
         code, _, err = cli([*args, "--bits", "4"], capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_split_head_needs_an_export_of_format_10_or_later(tmp_path, capsys) -> None:
+    """The split head's columns need manifest format 12, which a quantize of a 10+ export writes; an export of
+    format 8-9 (no spare cache row, which only its version tells) cannot be relabelled: one-line error, nothing
+    written, and `--lm-head-int8-rows 1` (no split) still quantizes it."""
+    from edgellm.export.exporter import export_model
+    from edgellm.export.options import ExportOptions
+    from tests.export_helpers import tiny_model
+
+    src = tmp_path / "v9"
+    export_model(tiny_model("llama2", seed=3), src, ExportOptions(granularity="layer", attention="standard",
+                                                                  max_seq=48, prefill_chunk=8),
+                 progress=False, log=lambda _: None)
+    doc = json.loads((src / "manifest.json").read_text())
+    assert doc.pop("logit_columns") is None and doc["kv_layout"] == "rows"   # rows: no spare row in any format
+    (src / "manifest.json").write_text(json.dumps({**doc, "format_version": 9}))
+    code, _, err = cli([src, "-o", tmp_path / "q", "--bits", "4", "--calibration-tokens", "64"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "an export of format 9 cannot carry a split head (format 10 or later; re-export it, or pass " \
+           "--lm-head-int8-rows 1)" in err and not (tmp_path / "q").exists()
+    code, _, err = cli([src, "-o", tmp_path / "q", "--bits", "4", "--calibration-tokens", "64", "--no-check",
+                        "--lm-head-int8-rows", "1"], capsys)
+    assert code == 0 and read_manifest(tmp_path / "q").format_version == 9, err

@@ -10,7 +10,7 @@ import pytest
 
 from edgellm.cli import main
 from edgellm.model import Decoder
-from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.manifest import FORMAT_VERSION, read_manifest
 from tests.quant_helpers import export, quantize
 
 
@@ -124,7 +124,7 @@ def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
     fp32 = capsys.readouterr().out
     assert main(["info", str(q)]) == 0
     int4 = capsys.readouterr().out
-    assert "format: edgellm-export 11" in fp32 and "precision: fp32" in fp32
+    assert f"format: edgellm-export {FORMAT_VERSION}" in fp32 and "precision: fp32" in fp32
     assert "per decoded token: stack.decode + head.decode (2 runs" in fp32
     assert "max relative |onnx - torch|" in fp32
     assert "precision: int4 g32 sym rtn, format fast (accuracy level 4), lm_head int4, embeddings int8" in int4
