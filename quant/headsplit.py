@@ -15,7 +15,7 @@ the tied lookup reading the head's codes, pairing, the stack) sees two ordinary 
   head    Gemm(h, E, transB=1) [n, V]  ->  Gemm(h, E_hi) [n, N1], Gemm(h, E_lo) [n, N2] --Concat--> [n, V]
           in split order, the logits' columns (`HeadSplit.columns`: manifest format 12 `logit_columns`, read
           by runtime/columns.py; putting them back in vocabulary order in the graph, GatherElements over an
-          expanded [n, V] index, cost 0.36 ms a step at V = 151936); a MatMul(h, W [D, V]) head likewise;
+          expanded [n, V] index, cost up to 1.2 ms per verification at V = 151936); a MatMul(h, W [D, V]) head likewise;
   lookup  Gather(E, ids) -> pos = Gather(pos_of, ids); Where(pos < N1, Gather(E_hi, min(pos, N1 - 1)),
           Gather(E_lo, max(pos - N1, 0)))   (a tied table: one copy of each part serves both uses)
 `pos_of` [V] int32: the position of token t in the split order (hi rows, then lo rows, each in id order).

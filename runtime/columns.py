@@ -3,9 +3,9 @@
 A head quantized by rows (`--lm-head-int8-rows`, quant/headsplit.py) computes its int8 rows and its int4 rows
 as two matmuls and concatenates them: column j of its logits is token `ids[j]`, the int8 rows' ids ascending,
 then the int4 rows' ids ascending. Putting those columns back in vocabulary order inside the graph (Expand +
-GatherElements over [n, V]) cost 0.36 ms a step at V = 151936 and 0.8 ms per 17-row verification at V = 49152
-(onnxruntime 1.32, 2 threads), as much as a fifth of what the int4 rows save; greedy decoding needs one id, not
-the vector in order. So the graph hands over the columns as computed, and this class reads them:
+GatherElements over [n, V]) cost 0.03-0.07 ms a step and 0.2-1.2 ms per 9- or 17-row verification (SmolLM2,
+Qwen2.5-0.5B shape; onnxruntime 1.32, 2 threads: bench/head_columns.py); greedy decoding needs one id, not the
+vector in order. So the graph hands over the columns as computed, and this class reads them:
 
 - `token(logits)`: the greedy pick, as `sampling.argmax_checked` on the vocabulary-order vector would pick it:
   the largest logit, ties to the lower token id, non-finite picks rejected. Columns ascend in id within each run
