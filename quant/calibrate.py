@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.generator import Generator
-from edgellm.runtime.manifest import Manifest
+from edgellm.runtime.generator import Generator, export_tokenizer
+from edgellm.runtime.manifest import Manifest, read_manifest
 from edgellm.runtime.sampling import SamplingParams, StopParams
 
 from .runner import Calibrator
@@ -76,17 +76,17 @@ def sample_sequences(directory: Path, n_tokens: int, seed: int, length: int | No
 def text_sequences(directory: Path, text: str | Path, n_tokens: int, length: int | None = None) -> list[list[int]]:
     """The first ~`n_tokens` tokens of a text file, tokenized by the export's tokenizer, in sequences of up to
     `length` (each from a fresh context: BOS in front where the checkpoint's rule puts one)."""
-    gen = Generator.open(directory, verify=False)
-    need(gen.has_tokenizer, f"--calibration-text: {directory} has no tokenizer to read {text} with")
+    m = read_manifest(directory, verify=False)
+    need(m.tokenizer is not None, f"--calibration-text: {directory} has no tokenizer to read {text} with")
     try:
         body = Path(text).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise EdgeError(f"--calibration-text: cannot read {text} as UTF-8 text "
                         f"({getattr(err, 'strerror', None) or err})") from None
     need(body.strip() != "", f"--calibration-text: {text} is empty")
-    ids = gen.tokenizer.encode(body)
-    bos = [gen.bos_id] if gen.add_bos and gen.bos_id is not None else []
-    step = min(length or MAX_SEQUENCE, gen.manifest.max_seq) - len(bos)
+    ids = export_tokenizer(directory, m).encode(body)
+    bos = [m.bos_id] if m.add_bos and m.bos_id is not None else []
+    step = min(length or MAX_SEQUENCE, m.max_seq) - len(bos)
     sequences = [bos + ids[i:i + step] for i in range(0, min(len(ids), n_tokens), step)]
     return [s for s in sequences if len(s) >= 2]
 

@@ -255,10 +255,6 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     if model is not None:
                         (tmp / g.file).write_bytes(model.SerializeToString())
                     graphs.append(g)
-                if stem == "head" and split is not None and split.tied and done[0][0].data:
-                    # the embedding's lookup of a split tied table reads the head's codes and this position
-                    # table: stored beside them, so that the embedding graph reads one data file
-                    store.put(done[0][0].data, split.pos_of.tobytes())
                 del done
                 if stem != "head":     # the embedding unit after the head may still need its tied table
                     plan.memo.clear()

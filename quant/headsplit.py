@@ -56,10 +56,6 @@ class HeadSplit:
         return frozenset({part_name(self.table, HI), part_name(self.table, LO)})
 
     @property
-    def tied(self) -> bool:
-        return self.table == "embed.weight"
-
-    @property
     def pos_of(self) -> np.ndarray:
         """int32 [V]: the position of each token in the split order (the tied lookup's table)."""
         pos = np.empty(self.hi.shape[0], np.int32)

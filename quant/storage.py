@@ -96,8 +96,11 @@ class DataStore:
         self._handles.clear()
 
     def place(self, model: onnx.ModelProto, own: str) -> str | None:
-        """Externalize `model`'s big initializers into `own` (or an earlier file holding all of them);
-        returns the data file its graph points into (None when every tensor is small)."""
+        """Externalize `model`'s big initializers into `own`, or into an earlier file that already holds most
+        of their bytes (a tied table's codes, written with the head: the embedding's lookup then reads that
+        file, its own small tensors such as a split table's positions added there), so that each graph reads one
+        data file and no tensor is stored twice; returns the data file its graph points into (None when every
+        tensor is small)."""
         keyed = [(t, content_key(t.raw_data)) for t in model.graph.initializer
                  if t.HasField("raw_data")]
         for t, key in keyed:
@@ -106,24 +109,17 @@ class DataStore:
         tensors = [(t, key) for t, key in keyed if _big(t) and key not in self.shared]
         if not tensors:
             return None
-        holders = [f for f, index in self.where.items() if all(k in index for _, k in tensors)]
-        target = own if own in holders or not holders else holders[0]
+        total = sum(len(t.raw_data) for t, _ in tensors)
+        held = {f: sum(len(t.raw_data) for t, k in tensors if k in index) for f, index in self.where.items()}
+        borrowed = [f for f, n in held.items() if 2 * n > total and f != own]
+        target = own if held.get(own) or not borrowed else borrowed[0]
         index = self.where.setdefault(target, {})
         for t, key in sorted(tensors, key=lambda tk: paged_first(len(tk[0].raw_data))):  # (datalayout.py)
             ref = index.get(key)
             if ref is None:
-                need(target == own, f"{own}: internal error, a tensor missing from borrowed {target}")
-                ref = index[key] = self._write(own, t.raw_data)
+                ref = index[key] = self._write(target, t.raw_data)
             _refer(t, ref)
         return target
-
-    def put(self, file: str, raw: bytes) -> None:
-        """Write a tensor's bytes into `file` ahead of the graph that reads them, so that a later `place` finds
-        all of that graph's tensors there (a split tied table's lookup positions beside the head's codes)."""
-        index = self.where.setdefault(file, {})
-        key = content_key(raw)
-        if key not in index:
-            index[key] = self._write(file, raw)
 
     @property
     def files(self) -> list[str]:

@@ -76,20 +76,12 @@ class Columns:
             return argmax_checked(logits)
         if len(self.runs) > MAX_RUNS:
             return argmax_checked(self.vocab(logits))
-        best_val, best_id = -math.inf, -1
-        for start, end in self.runs:
-            j = start + int(np.argmax(logits[start:end]))
-            val = float(logits[j])
-            if not math.isfinite(val) and val != -math.inf:   # NaN or +inf: what argmax_checked rejects
-                best_val, best_id = val, int(self.ids[j])
-                break
-            tid = int(self.ids[j])
-            if val > best_val or (val == best_val and (best_id < 0 or tid < best_id)):
-                best_val, best_id = val, tid
-        if not math.isfinite(best_val):
-            raise EdgeError(f"sample: logits must be finite with at least one > -inf, got {best_val} at "
-                            f"token {max(best_id, 0)}")
-        return best_id
+        picks = [(float(logits[j]), int(self.ids[j])) for j in
+                 (start + int(np.argmax(logits[start:end])) for start, end in self.runs)]
+        best = max(v for v, _ in picks)
+        if not math.isfinite(best) or any(v != v for v, _ in picks):   # NaN, +inf or all -inf: its one error
+            return argmax_checked(self.vocab(logits))
+        return min(t for v, t in picks if v == best)
 
     def vocab(self, logits: np.ndarray) -> np.ndarray:
         """logits [..., V] in column order -> vocabulary order (the input itself for the identity)."""

@@ -60,6 +60,13 @@ from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 
+def export_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
+    """The tokenizer an export ships (its manifest must name one), without opening any of its graphs."""
+    tok = manifest.tokenizer
+    return load_tokenizer(safe_join(directory, tok["file"]), manifest.vocab_size, kind=tok["kind"],
+                          bos_id=manifest.bos_id, eos_id=manifest.eos_id)
+
+
 class Generator:
     """An opened export: its sessions, its static KV cache and (optionally) its tokenizer."""
 
@@ -102,10 +109,8 @@ class Generator:
         """The export's tokenizer (None without one), loaded on first use: ids in and ids out (an app with its
         own tokenizer, `edgellm bench`) never hold it. Peak RSS of load + 64 ids + 64 tokens without / with it:
         Qwen2.5-0.5B-shape int4 578 / 610 MB (151k tokens), stories110M-shape int4 202 / 215 MB."""
-        m = self.manifest
-        if self._tokenizer is None and m.tokenizer is not None:
-            self._tokenizer = load_tokenizer(safe_join(self.directory, m.tokenizer["file"]), m.vocab_size,
-                                             kind=m.tokenizer["kind"], bos_id=m.bos_id, eos_id=m.eos_id)
+        if self._tokenizer is None and self.manifest.tokenizer is not None:
+            self._tokenizer = export_tokenizer(self.directory, self.manifest)
         return self._tokenizer
 
     def _before_clock(self, text: bool, chat: bool = False) -> None:
