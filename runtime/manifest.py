@@ -45,21 +45,18 @@ from typing import Literal
 
 from .errors import EdgeError, need
 from .fileio import FileSpec, atomic_write_text, check_files
-from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, check_io, dims_from_config, spare_rows
+from .graphio import KV_LAYOUTS, Dims, KVLayout, TensorSpec, dims_from_config, spare_rows
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
+from .manifest_checks import ROLES_BY_GRANULARITY, check_graphs, check_tokenizer
 from .sampling import SamplingParams
-from .tokenizer import TOKENIZER_FILES
 
 FORMAT = "edgellm-export"
 FORMAT_VERSION = 12
 READS = (8, 9, 10, 11, 12)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
-ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
 COLUMNS_SINCE = 12  # the first format with `logit_columns`
-OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
-TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -159,8 +156,7 @@ class Manifest:
 
     def validate(self) -> None:
         """Cross-field checks; types are checked when parsing JSON."""
-        roles = ROLES_BY_GRANULARITY.get(self.granularity)
-        need(roles is not None, f"granularity: expected 'layer' or 'model', got {self.granularity!r}")
+        need(self.granularity in ROLES_BY_GRANULARITY, f"granularity: expected 'layer' or 'model', got {self.granularity!r}")
         need(self.kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         need(self.kv_layout == "rows" or self.granularity == "layer",
              f"kv_layout: {self.kv_layout!r} needs granularity 'layer', got {self.granularity!r}")
@@ -186,59 +182,9 @@ class Manifest:
         for rel, spec in self.files.items():
             need(bool(_SHA256.fullmatch(spec.sha256)), f"files[{rel!r}].sha256: expected 64 lowercase hex digits")
             need(spec.bytes >= 0, f"files[{rel!r}].bytes: expected >= 0, got {spec.bytes}")
-        seqs = {1, self.prefill_chunk}
-        seen: dict[tuple, str] = {}
-        names: set[str] = set()
-        layers = {(g.layer, g.seq): g for g in self.graphs if g.role == "layer"}
-        for n, g in enumerate(self.graphs):
-            where = f"graphs[{n}] ({g.name})"
-            need(g.name not in names, f"{where}: duplicate graph name")
-            names.add(g.name)
-            need(g.role in roles, f"{where}.role: expected one of {list(roles)} for granularity "
-                                  f"{self.granularity!r}, got {g.role!r}")
-            need((g.role == "layer") == (g.layer is not None), f"{where}.layer: expected an index for role "
-                                                               f"'layer' and null otherwise, got {g.layer!r}")
-            need(g.layer is None or 0 <= g.layer < dims.n_layers, f"{where}.layer: expected 0..{dims.n_layers - 1}")
-            need(g.seq in seqs, f"{where}.seq: expected 1 or prefill_chunk={self.prefill_chunk}, got {g.seq}")
-            key = (g.role, g.layer, g.seq)
-            need(key not in seen, f"{where}: same role/layer/seq as {seen.get(key)}")
-            seen[key] = g.name
-            for rel in (g.file, g.data):
-                need(rel is None or rel in self.files, f"{where}: file {rel!r} is not listed in files")
-            check_io(g.role, g.seq, g.layer, (g.inputs, g.outputs), dims, where)
-            if g.paired:  # the other variant of this layer names the same files
-                need(g.role in ("layer", "stack", "head") and self.kv_layout == "inplace" and self.prefill_chunk > 1,
-                     f"{where}.paired: only layer, stack or head graphs of an 'inplace' export with prefill_chunk > 1")
-                other = layers.get((g.layer, self.prefill_chunk if g.seq == 1 else 1))
-                need(g.role != "layer" or other is None or
-                     (other.paired and (other.file, other.data) == (g.file, g.data)),
-                     f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
-        stacks = [g for g in self.graphs if g.role == "stack"]
-        need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
-             "graphs: the stack's two variants must be paired in one file")
-        heads = [g for g in self.graphs if g.role == "head"]
-        need(not any(g.paired for g in heads) or (len({g.file for g in heads}) == 1 and all(g.paired for g in heads)),
-             "graphs: a paired head's two variants must both be paired, in one file")
-        # every key seen is valid and unique, so comparing counts finds a missing graph
-        optional = [r for r in OPTIONAL_ROLES if not any(g.role == r for g in self.graphs)]
-        want = [(r, i, s) for r in roles if r not in optional
-                for i in (range(dims.n_layers) if r == "layer" else [None]) for s in seqs]
-        missing = [k for k in want if k not in seen]
-        need(not missing, f"graphs: missing (role, layer, seq) {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        check_graphs(self.graphs, self.granularity, self.kv_layout, self.prefill_chunk, self.files, dims)
         if self.tokenizer is not None:
-            need(set(self.tokenizer) == set(TOKENIZER_KEYS),
-                 f"tokenizer: expected keys {', '.join(map(repr, TOKENIZER_KEYS))}")
-            file, template = self.tokenizer["file"], self.tokenizer["chat_template"]
-            need(isinstance(file, str) and file in self.files, f"tokenizer.file: {file!r} is not listed in files")
-            need(isinstance(self.tokenizer["kind"], str) and self.tokenizer["kind"] in TOKENIZER_FILES,
-                 f"tokenizer.kind: expected one of {', '.join(TOKENIZER_FILES)}, got {self.tokenizer['kind']!r:.40}")
-            need(template is None or (isinstance(template, str) and template in self.files),
-                 f"tokenizer.chat_template: {template!r} is not listed in files")
-            need(template is None or self.tokenizer["kind"] == "hf",
-                 "tokenizer.chat_template: needs a Hugging Face tokenizer (kind 'hf')")
-            add_bos = self.tokenizer["add_bos"]
-            need(isinstance(add_bos, bool), f"tokenizer.add_bos: expected true or false, got {add_bos!r}")
-            need(not add_bos or self.bos_id is not None, "tokenizer.add_bos: true needs a bos_id")
+            check_tokenizer(self.tokenizer, self.files, self.bos_id)
         for key in ("bos_id", "eos_id"):
             tok = getattr(self, key)
             need(tok is None or 0 <= tok < dims.vocab_size, f"{key}: expected 0..{dims.vocab_size - 1}, got {tok}")
