@@ -32,14 +32,18 @@ bash "$SB" setup "$ARMDIR" >&2
 host_attr() { "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import arm64_host as h; v = getattr(h, sys.argv[2]); print(v if isinstance(v, str) else " ".join(v))' "$REPO/bench" "$1"; }
 prompt=$(host_attr PROMPT)
 flags=$(host_attr RUN_FLAGS)
+lone=$(host_attr LONE)
+lone_flags=$(host_attr LONE_FLAGS)
 status=0
 for cpu in $CPUS; do
   for name in $names; do
     t0=$(date +%s)
+    dir="${name%"$lone"}"; extra=""
+    [ "$dir" != "$name" ] && extra="$lone_flags"   # NAME-lone: the export NAME through its lone-row stack
     # $flags is split on purpose (plain words); the prompt has spaces and stays one argument
     # from WORK: run in the repo, `python -m` would find the source tree's edgellm/ (no runtime inside) first
     if ! (cd "$WORK" && ARM64_CPU="$cpu" PYTHONPATH="$WORK/shim" bash "$SB" run "$ARMDIR" -- \
-        python3 -m edgellm run "$WORK/exports/$name" --prompt "$prompt" $flags \
+        python3 -m edgellm run "$WORK/exports/$dir" --prompt "$prompt" $flags $extra \
         > "$WORK/arm/$name.json" 2> "$WORK/arm/$name.err"); then
       echo "arm64_check: $name on $cpu FAILED:" >&2; tail -5 "$WORK/arm/$name.err" >&2; status=1
     fi

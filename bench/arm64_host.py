@@ -1,4 +1,5 @@
-"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4) and their greedy outputs on this machine.
+"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4) and their greedy outputs on this machine
+(int4 also through its lone-row stack, `--exact-decode off`).
 
     python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4}, WORK/host/<name>.json
     python bench/arm64_host.py shim WORK REPO   # WORK/shim/edgellm: import edgellm.* from the source tree
@@ -18,6 +19,8 @@ from pathlib import Path
 
 PROMPT = "Once upon a time"
 RUN_FLAGS = ["--temperature", "0", "--max-new-tokens", "16", "--json", "--threads", "2"]  # after --prompt PROMPT
+LONE = "-lone"  # a name ending so runs the export before it with the lone-row stack (edgellm/layout/lone.py)
+LONE_FLAGS = ["--exact-decode", "off"]
 SHIM = '''"""Maps the source tree's folders to their import names (edgellm/, runtime/ -> edgellm.runtime, ...)
 without installing it: see pyproject.toml's package-dir."""
 import os
@@ -65,10 +68,12 @@ def prepare(work: Path) -> None:
         subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / f"int{bits}"),
                         "--bits", bits, "--method", method, "--no-progress", "--no-check"], check=True,
                        stdout=subprocess.DEVNULL)
-    names = ["fp32", "int8", "int4"]
+    names = ["fp32", "int8", "int4", "int4" + LONE]
     for name in names:
-        out = subprocess.run([sys.executable, "-m", "edgellm", "run", str(exports / name), "--prompt", PROMPT,
-                              *RUN_FLAGS], check=True, capture_output=True, text=True).stdout
+        lone = name.endswith(LONE)
+        out = subprocess.run([sys.executable, "-m", "edgellm", "run", str(exports / name.removesuffix(LONE)),
+                              "--prompt", PROMPT, *RUN_FLAGS, *(LONE_FLAGS if lone else [])],
+                             check=True, capture_output=True, text=True).stdout
         (host / f"{name}.json").write_text(out)
     print(" ".join(names))
 

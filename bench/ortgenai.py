@@ -16,6 +16,9 @@ VM's speed drifts by 10-20 % over minutes, so one pair of runs can land anywhere
 `--llamacpp` adds llama.cpp in the same rotation (llama-cpp-python, bench extra): the checkpoint converted by its
 sdist's convert_hf_to_gguf.py and quantized by llama.cpp itself (fp32: f32, int8: Q8_0, int4: Q4_0), decoded
 greedily by bench/quality_llamacpp.py's eval loop (one Python call per token) in a child process of its own.
+`--lone` adds edgellm once more as "edgellm-lone" (`edgellm bench --exact-decode off`: the export's lone-row stack,
+what a sampled `edgellm run` decodes with; greedy here like every system, its tokens then not bit for bit
+speculation's): the price of exact greedy speculation, measured beside the peers.
 Timings of the edgellm export and quantize steps are printed when they run.
 """
 
@@ -142,15 +145,16 @@ def genai_child(model_dir: str, contexts: list[int], new_tokens: int, runs: int,
 
 
 def edgellm_rows(export: Path, contexts: list[int], new_tokens: int, runs: int, threads: int,
-                 max_load: float) -> list[dict]:
+                 max_load: float, lone: bool = False) -> list[dict]:
     out = json.loads(subprocess.run(
         ["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs), "--new-tokens",
          str(new_tokens), "--contexts", ",".join(map(str, contexts)), "--max-other-load", str(max_load),
-         "--speculative", "off"],  # plain decoding, as the peers run here (speculation: bench/speculative_race.py)
+         "--speculative", "off",  # plain decoding, as the peers run here (speculation: bench/speculative_race.py)
+         "--exact-decode", "off" if lone else "on"],
         capture_output=True, text=True, check=True).stdout)
     rows = []
     for r in out["rows"]:
-        rows.append({"system": "edgellm", "context": r["context"], "prefill": r["prefill_tok_s"]["median"],
+        rows.append({"system": "edgellm-lone" if lone else "edgellm", "context": r["context"], "prefill": r["prefill_tok_s"]["median"],
                      "prefill_range": [r["prefill_tok_s"]["low"], r["prefill_tok_s"]["high"]],
                      "decode": r["decode_tok_s"]["median"],
                      "decode_range": [r["decode_tok_s"]["low"], r["decode_tok_s"]["high"]],
@@ -176,6 +180,7 @@ def main() -> None:
                    help="repeat the pair of runs this many times, alternating which system goes first (the VM's "
                         "speed drifts over minutes); prints the median of the per-round ratios")
     p.add_argument("--llamacpp", action="store_true", help="llama.cpp (f32 / Q8_0 / Q4_0) in the rotation too")
+    p.add_argument("--lone", action="store_true", help="edgellm through its lone-row stack in the rotation too")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
@@ -197,8 +202,8 @@ def main() -> None:
                             args.max_seq)
         export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq)
         gguf = build_gguf(hf, args.root, name, args.precision) if args.llamacpp else None
-        systems = ["ort-genai", "edgellm"] + (["llama.cpp"] if gguf else [])
-        ratios: dict[tuple[str, int], list[float]] = {}
+        systems = ["ort-genai", "edgellm"] + (["edgellm-lone"] if args.lone else []) + (["llama.cpp"] if gguf else [])
+        ratios: dict[tuple[str, str, int], list[float]] = {}
         for round_ in range(args.rounds):
             rows = []
             for k in range(len(systems)):
@@ -209,7 +214,7 @@ def main() -> None:
                     rows += _llamacpp_rows(gguf, args)
                 else:
                     rows += edgellm_rows(export, contexts, args.new_tokens, args.runs, args.threads,
-                                         args.max_other_load)
+                                         args.max_other_load, lone=system == "edgellm-lone")
             rows.sort(key=lambda r: systems.index(r["system"]))
             for row in rows:
                 row["model"], row["precision"], row["round"] = name, args.precision, round_
@@ -219,8 +224,8 @@ def main() -> None:
             if not args.json:
                 _print(name, args.precision, rows)
         if args.rounds > 1 and not args.json:
-            for (peer, ctx), values in ratios.items():
-                print(f"  ctx {ctx}: decode edgellm / {peer} over {len(values)} rotating rounds: median "
+            for (ours, peer, ctx), values in ratios.items():
+                print(f"  ctx {ctx}: decode {ours} / {peer} over {len(values)} rotating rounds: median "
                       f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in sorted(values))})")
     if args.json:
         print(json.dumps({"schema": "edgellm-bench-ortgenai", "version": 1, "rows": report}))
@@ -241,25 +246,26 @@ def _llamacpp_rows(gguf: Path, args: argparse.Namespace) -> list[dict]:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def _decode_ratios(rows: list[dict]) -> dict[tuple[str, int], float]:
-    """(peer, context) -> edgellm / peer decode tok/s within one round."""
+def _decode_ratios(rows: list[dict]) -> dict[tuple[str, str, int], float]:
+    """(edgellm system, peer, context) -> its decode tok/s / the peer's within one round."""
     by = {(r["system"], r["context"]): r["decode"] for r in rows}
-    return {(peer, ctx): by[("edgellm", ctx)] / by[(peer, ctx)] for peer, ctx in by if peer != "edgellm"}
+    return {(ours, peer, ctx): by[(ours, ctx)] / by[(peer, ctx)] for ours, ctx in by if ours.startswith("edgellm")
+            for peer, c in by if c == ctx and not peer.startswith("edgellm")}
 
 
 def _print(name: str, precision: str, rows: list[dict]) -> None:
     print(f"\n{name} {precision}: system, ctx, prefill tok/s, decode tok/s (median (min-max)), peak RSS MB")
     for r in rows:
-        print(f"  {r['system']:<10} {r['context']:>5}  {r['prefill']:8.1f} ({r['prefill_range'][0]:.0f}-"
+        print(f"  {r['system']:<12} {r['context']:>5}  {r['prefill']:8.1f} ({r['prefill_range'][0]:.0f}-"
               f"{r['prefill_range'][1]:.0f})  {r['decode']:8.1f} ({r['decode_range'][0]:.1f}-"
               f"{r['decode_range'][1]:.1f})  {r['peak_rss_mb']:7.0f}  first ids {r['first'][:4]}  other load "
               f"{r['other_load_pct'] if r['other_load_pct'] is not None else float('nan'):.1f}%"
               + (f"  huge pages {r['huge_pages_mb']:.0f} MB" if "huge_pages_mb" in r else ""))
     for ctx in sorted({r["context"] for r in rows}):
-        e = next(r for r in rows if r["system"] == "edgellm" and r["context"] == ctx)
-        for g in (r for r in rows if r["system"] != "edgellm" and r["context"] == ctx):
-            print(f"  ctx {ctx}: edgellm / {g['system']}  prefill {e['prefill'] / g['prefill']:.2f}x  decode "
-                  f"{e['decode'] / g['decode']:.2f}x  RSS {e['peak_rss_mb'] / g['peak_rss_mb']:.2f}x")
+        for e in (r for r in rows if r["system"].startswith("edgellm") and r["context"] == ctx):
+            for g in (r for r in rows if not r["system"].startswith("edgellm") and r["context"] == ctx):
+                print(f"  ctx {ctx}: {e['system']} / {g['system']}  prefill {e['prefill'] / g['prefill']:.2f}x  "
+                      f"decode {e['decode'] / g['decode']:.2f}x  RSS {e['peak_rss_mb'] / g['peak_rss_mb']:.2f}x")
 
 
 if __name__ == "__main__":

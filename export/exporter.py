@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from edgellm import __version__
-from edgellm.layout.stacking import STACK_FILE, check_stack, pair_head, write_stack
+from edgellm.layout.stacking import LONE_FILE, STACK_FILE, check_lone, check_stack, pair_head, write_stack
 from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
@@ -180,11 +180,13 @@ def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
             variants.setdefault(g.seq, []).append(onnx.load(str(partial / g.file), load_external_data=False))
     specs = write_stack(partial, manifest, variants)
     manifest = replace(manifest, graphs=manifest.graphs + tuple(specs),
-                       files=manifest.files | describe_files(partial, [STACK_FILE]))
+                       files=manifest.files | describe_files(partial, sorted({g.file for g in specs})))
     manifest = pair_head(partial, manifest)  # one head session for S = 1 and a verification's k + 1 rows
     tokens = np.random.default_rng(seed).integers(0, manifest.vocab_size, manifest.prefill_chunk + 4).tolist()
-    diff = check_stack(partial, manifest, tokens)
-    return replace(manifest, verification={**manifest.verification, "stack_vs_layers": diff})
+    checks = {"stack_vs_layers": check_stack(partial, manifest, tokens)}
+    if any(g.role == "stack_lone" for g in specs):
+        checks["lone_vs_stack"] = check_lone(partial, manifest, tokens)
+    return replace(manifest, verification={**manifest.verification, **checks})
 
 
 def _graph_specs(units: list[Unit], records: dict[str, UnitRecord], dims, seqs: list[int]) -> list[GraphSpec]:
@@ -210,6 +212,10 @@ def summary(units: list[Unit], records: dict[str, UnitRecord], manifest: Manifes
     if STACK_FILE in files:
         diff = manifest.verification["stack_vs_layers"]
         lines.append(f"{'stack':<12} {files[STACK_FILE].bytes / 1e6:>9.2f}  {diff:.2e} (vs the layer graphs)")
+    if LONE_FILE in files:
+        diff = manifest.verification["lone_vs_stack"]
+        lines.append(f"{'stack_lone':<12} {files[LONE_FILE].bytes / 1e6:>9.2f}  {diff:.2e} (decode vs the stack; "
+                     "no spare attention row: sampled runs)")
     lines.append(f"{'end-to-end':<12} {'':>9}  {e2e:.2e} (chunked prefill + decode vs full forward)")
     if "attention_impl" in manifest.export_options:
         lines.append(f"{'attention':<12} {'':>9}  {manifest.export_options['attention_impl']}")

@@ -41,6 +41,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
+from edgellm.layout.lone import EXTRA_ROW, ONE, ROWS_END
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
@@ -244,17 +245,18 @@ def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str,
     counts), ~1e-7 in the attention output, which int8 activation rounding can turn into another greedy token.
     With the extra row every call has S >= 2, so a decode step's row equals that row of a speculative
     verification over k + 1 rows, bit for bit (runtime/speculative.py; tests/test_speculative.py). The
-    extra row costs one more query row of attention, not a matmul row. `qkv_in`: [qkv, "", ""] packed or
-    [q, k, v]."""
-    pads = b.const(p + "attn.extra_row", np.array([0, 0, 0, 0, 1, 0], np.int64))  # [1, S, W] -> [1, S + 1, W]
+    extra row costs one more query row of attention, not a matmul row (but 8-27 % of a decode step: sampled runs
+    open the stack without it, edgellm/layout/lone.py). `qkv_in`: [qkv, "", ""] packed or [q, k, v]."""
+    pads = b.const(p + EXTRA_ROW, np.array([0, 0, 0, 0, 1, 0], np.int64))  # [1, S, W] -> [1, S + 1, W]
     padded = [b.op("Pad", [x, pads])[0] for x in qkv_in if x]
-    one = b.const(p + "attn.one", np.array(1, np.int32))
+    one = b.const(p + ONE, np.array(1, np.int32))
     lengths = [b.op("Add", [seqlens_k, one])[0], b.op("Add", [total_len, one])[0]]
     att, new_k, new_v = b.op("GroupQueryAttention", [*padded, *([""] * (3 - len(padded))), past_k, past_v,
                                                      *lengths, *rope_in], n_out=3, domain=MS, **attrs)
     # drop the extra row: [1, S + 1, H*hd] -> [1, S, H*hd] (ends -1: S-free, so both variants pair)
-    ends = [b.const(p + "attn.rows." + n, np.array([v], np.int64)) for n, v in (("start", 0), ("end", -1), ("axis", 1))]
-    return [b.op("Slice", [att, *ends])[0], new_k, new_v]
+    starts, ends, axes = (b.const(p + name, np.array([v], np.int64))
+                          for name, v in (("attn.rows.start", 0), (ROWS_END, -1), ("attn.rows.axis", 1)))
+    return [b.op("Slice", [att, starts, ends, axes])[0], new_k, new_v]
 
 
 def _first_norm(b: _Builder, x: str, norm: torch.nn.Module, name: str, cfg: ModelConfig) -> str:

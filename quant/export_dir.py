@@ -26,10 +26,11 @@ from tqdm import tqdm
 
 from edgellm import __version__
 from edgellm.layout.pairing import pair_layer
-from edgellm.layout.stacking import check_stack, write_stack
+from edgellm.layout.stacking import check_lone, check_stack, write_stack
 from edgellm.runtime.errors import EdgeError, need
 from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
-from edgellm.runtime.manifest import COLUMNS_SINCE, MANIFEST, GraphSpec, Manifest, read_manifest
+from edgellm.runtime.graphio import STACK_ROLES
+from edgellm.runtime.manifest import COLUMNS_SINCE, LONE_SINCE, MANIFEST, GraphSpec, Manifest, read_manifest
 from edgellm.runtime.tokenizer import copy_tokenizer
 
 from . import mixed
@@ -126,7 +127,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     manifest = read_manifest(src)
     need(manifest.quantization is None, f"{src}: already quantized; quantize the fp32 export instead")
     # the source's stack graph is not quantized: a fast export gets a new one built from its quantized graphs
-    manifest = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.role != "stack"))
+    manifest = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.role not in STACK_ROLES))
     _check_paths(src, out)
     options.validate(manifest.n_layers)
     missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
@@ -178,15 +179,16 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         files = describe_files(tmp, rels)
         opset = max(_opset(tmp / g.file) for g in graphs)
         version = max(COLUMNS_SINCE, manifest.format_version) if columns else manifest.format_version
+        if any(g.role == "stack_lone" for g in graphs):  # written with the stack of a spare-row export (lone.py)
+            version = max(LONE_SINCE, version)
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
                                   opset=opset, quantization={}, verification={}, logit_columns=columns,
                                   format_version=version)
-        comparison, stack_diff = _check(src, manifest, tmp, new, options.seed) if check else (None, None)
+        comparison, stack_checks = _check(src, manifest, tmp, new, options.seed) if check else (None, {})
         record = _record(options, plan, names, calib, comparison, manifest, src,
                          migrator.alpha if migrator else {})
         verification = {"end_to_end_vs_fp32": comparison.max_abs_diff} if comparison else {}
-        if stack_diff is not None:
-            verification["stack_vs_layers"] = stack_diff
+        verification |= stack_checks
         new = dataclasses.replace(new, quantization=record, verification=verification)
         new.write(tmp)
     before = sum(f.bytes for f in manifest.files.values())
@@ -273,17 +275,19 @@ def _opset(path: Path) -> int:
 
 
 def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
-           seed: int) -> tuple[LogitComparison, float | None]:
+           seed: int) -> tuple[LogitComparison, dict[str, float]]:
     """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration); and
-    the stack graph (if any) vs the layer graphs it was built from, through the runtime's Engine."""
+    the stack graph (if any) vs the layer graphs it was built from, the lone-row stack (if any) vs the stack,
+    through the runtime's Engine (the manifest's `verification` keys)."""
     (tokens,) = sample_sequences(src, min(CHECK_TOKENS, src_manifest.max_seq) - 1, seed + 1_000_003)
     (ref,) = export_logits(src, src_manifest, [tokens])
     (got,) = export_logits(tmp, new, [tokens])
     comparison = compare_logits([ref], [got])
     need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
-    if not new.has_stack:
-        return comparison, None
-    return comparison, check_stack(tmp, new, tokens)
+    checks = {"stack_vs_layers": check_stack(tmp, new, tokens)} if new.has_stack else {}
+    if new.has_lone_stack:
+        checks["lone_vs_stack"] = check_lone(tmp, new, tokens)
+    return comparison, checks
 
 
 def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, WeightReport]],

@@ -20,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from edgellm.runtime.fileio import safe_join
+from edgellm.runtime.graphio import STACK_ROLES
 from edgellm.runtime.manifest import Manifest
 
 from .plan import WeightSite
@@ -52,7 +53,7 @@ def measure(src: Path, manifest: Manifest, hessians: Mapping[str, np.ndarray], l
     """The sensitivity of every eligible weight matmul of the fp32 export with a Hessian."""
     found: dict[str, Sensitivity] = {}
     for g in manifest.graphs:
-        if g.seq != manifest.prefill_chunk or g.role == "stack":
+        if g.seq != manifest.prefill_chunk or g.role in STACK_ROLES:
             continue
         model = onnx.load(str(safe_join(src, g.file)), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}

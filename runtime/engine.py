@@ -2,7 +2,8 @@
 
 Two layouts (manifest `granularity`):
 - "layer": embed -> layer_0 .. layer_{N-1} -> head, one session each, at S = prefill_chunk and S = 1; or,
-  when the export has a stack graph (edgellm/layout/stacking.py) and `SessionConfig.stack`, stack -> head.
+  when the export has a stack graph (edgellm/layout/stacking.py) and `SessionConfig.stack`, stack -> head
+  (the lone-row stack of format 13 instead when `SessionConfig.exact` is off: edgellm/layout/lone.py).
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
@@ -53,7 +54,7 @@ from .session import (
     SharedWeights,
     open_placed,
 )
-from .variant import GraphRun, Hook, Variant, runs_stack
+from .variant import GraphRun, Hook, Variant, runs_stack, stack_role
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
@@ -74,19 +75,21 @@ class Engine:
         self.config = config
         self.layered = manifest.granularity == "layer"
         self.stacked = runs_stack(manifest, config)
+        self.stack_role = stack_role(manifest, config)  # "stack", or "stack_lone" for a sampled run (lone.py)
         # whether `few_rows` runs n tokens as one S = n call: the stack and the head are paired graphs (S symbolic;
         # manifest format 9), so no row is padding and the head runs on exactly those n rows
-        self.any_rows = self.stacked and all(manifest.graph(r, 1).paired for r in ("stack", "head"))
+        self.any_rows = self.stacked and all(manifest.graph(r, 1).paired for r in (self.stack_role, "head"))
         # whether each row `few_rows` returns is bit for bit what a decode step of that token returns: the fused
         # attention's extra row (its spare cache row, graphio.spare_rows) makes every call >= 2 rows, matmuls are
-        # row-exact; then greedy speculation gives plain decoding's tokens whatever the precision
-        self.exact_rows = self.any_rows and manifest.dims.spare > 0
+        # row-exact; then greedy speculation gives plain decoding's tokens whatever the precision (not so in the
+        # lone-row stack, which leaves that row out)
+        self.exact_rows = self.any_rows and manifest.dims.spare > 0 and self.stack_role == "stack"
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
         self.total_len = np.zeros((), np.int32)
         self.weights = SharedWeights(self.directory)
-        self.placement = plan(self.directory, manifest, config.prepack_prefill, self.stacked)
+        self.placement = plan(self.directory, manifest, config.prepack_prefill, self.stacked, self.stack_role)
         self.tables = tuple(sorted({rel for p in self.placement.values() for rel in p.tables}))
         self.table_interval_s = TABLE_INTERVAL_S
         self._tables_released = time.perf_counter()
@@ -197,7 +200,7 @@ class Engine:
         for i in range(m.n_layers):
             inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
             inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
-        self._bind(v, "stack", seq, None, inputs, outputs, spec_seq)
+        self._bind(v, self.stack_role, seq, None, inputs, outputs, spec_seq)
 
     def _embed_positions(self, v: Variant) -> dict[str, np.ndarray]:
         """The embedding's `positions` input, for models with an absolute position table (format 8)."""

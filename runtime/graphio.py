@@ -61,6 +61,7 @@ POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; abse
 # ones and a zero row after them, whose K/V land in the row after the real ones (export/fused.py says why). So a
 # full-attention cache holds max_seq + SPARE_ROWS rows; the spare row is never attended by a real row.
 SPARE_ROWS = 1
+STACK_ROLES = ("stack", "stack_lone")  # the stack graph, and the same without the spare row (format 13)
 SPARE_SINCE = 10  # the manifest format that added the extra row
 
 
@@ -140,18 +141,19 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
         return (i64("tokens", 1, s), *positions), (f32("hidden", 1, s, d.dim),)
     if role == "head":
         return (f32("hidden", 1, s, d.dim),), (f32("logits", 1, s, d.vocab_size),)
-    # "stack" (format 4, optional): the embedding and every layer in one graph, tokens -> hidden_out
-    need(role in ("layer", "model", "stack"),
-         f"graph role: expected one of embed, layer, head, model, stack, got {role!r}")
+    # "stack" (format 4, optional): the embedding and every layer in one graph, tokens -> hidden_out;
+    # "stack_lone" (format 13, optional): the same I/O (edgellm/layout/lone.py)
+    need(role in ("layer", "model", *STACK_ROLES),
+         f"graph role: expected one of embed, layer, head, model, stack, stack_lone, got {role!r}")
     layers = [layer] if role == "layer" else list(range(d.n_layers))
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
     first_out = f32("logits", 1, s, d.vocab_size) if role == "model" else f32("hidden_out", 1, s, d.dim)
     past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.layer_rows(i), d.head_dim) for i in layers
             for kv in ("key", "value")]
-    need(role != "stack" or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
+    need(role not in STACK_ROLES or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
         need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")
-        return ((first_in, *(positions if role == "stack" else ()), i32("seqlens_k", 1), i32("total_len"), *past),
+        return ((first_in, *(positions if role in STACK_ROLES else ()), i32("seqlens_k", 1), i32("total_len"), *past),
                 (first_out, *(TensorSpec(t.name.replace("past_", "present_"), t.shape, t.dtype) for t in past)))
     present = [f32(f"present_{kv}.{i}", 1, d.n_kv_heads, s, d.head_dim) for i in layers for kv in ("key", "value")]
     return (first_in, i64("positions", 1, s), i64("past_len", 1), *past), (first_out, *present)

@@ -29,6 +29,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      column order (a head quantized by rows computes its int8 and int4 rows apart, quant/headsplit.py) and the
      runtime reads them through runtime/columns.py instead of the graph gathering them back (11 did that in the
      graph). Nothing else changed: a quantize of a 10 or 11 export that splits the head writes 12.
+ 13  an optional second stack, role "stack_lone" (`stack_lone.onnx`, paired, the stack's I/O, reading its data
+     files): the stack without the spare attention row (edgellm/layout/lone.py), which sampled runs open for
+     8-27 % faster decode (`SessionConfig.exact = False`); greedy runs keep the stack. Written with every stack
+     of an export with the spare row; a quantize of a 10-12 export writes 13.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -52,11 +56,12 @@ from .manifest_checks import ROLES_BY_GRANULARITY, check_graphs, check_tokenizer
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 12
-READS = (8, 9, 10, 11, 12)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 13
+READS = (8, 9, 10, 11, 12, 13)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 COLUMNS_SINCE = 12  # the first format with `logit_columns`
+LONE_SINCE = 13  # the first format with a "stack_lone" graph
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -148,6 +153,11 @@ class Manifest:
     def has_stack(self) -> bool:
         return any(g.role == "stack" for g in self.graphs)
 
+    @property
+    def has_lone_stack(self) -> bool:
+        """A `stack_lone` graph (format 13): the stack without the spare attention row (edgellm/layout/lone.py)."""
+        return any(g.role == "stack_lone" for g in self.graphs)
+
     def graph(self, role: str, seq: int, layer: int | None = None) -> GraphSpec:
         for g in self.graphs:
             if (g.role, g.seq, g.layer) == (role, seq, layer):
@@ -168,6 +178,10 @@ class Manifest:
              f"logit_columns: needs format_version {COLUMNS_SINCE}, this manifest says {self.format_version}")
         need(self.logit_columns is None or self.logit_columns in self.files,
              f"logit_columns: {self.logit_columns!r} is not listed in files")
+        need(not self.has_lone_stack or self.format_version >= LONE_SINCE,
+             f"graphs: stack_lone needs format_version {LONE_SINCE}, this manifest says {self.format_version}")
+        need(not self.has_lone_stack or self.has_stack,
+             "graphs: a stack_lone graph needs the stack graph it leaves a row out of")
         need(self.logit_columns is None or self.granularity == "layer",
              "logit_columns: only a head graph (granularity 'layer') computes its logits in another order")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None

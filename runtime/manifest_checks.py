@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 from .errors import need
 from .fileio import FileSpec
-from .graphio import Dims, check_io
+from .graphio import STACK_ROLES, Dims, check_io
 from .tokenizer import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     from .manifest import GraphSpec
 
-ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", "stack"), "model": ("model",)}
-OPTIONAL_ROLES = ("stack",)  # an export may have none of these graphs (else both variants)
+ROLES_BY_GRANULARITY = {"layer": ("embed", "layer", "head", *STACK_ROLES), "model": ("model",)}
+OPTIONAL_ROLES = STACK_ROLES  # an export may have none of these graphs (else both variants)
 TOKENIZER_KEYS = ("file", "kind", "chat_template", "add_bos")
 
 
@@ -45,15 +45,16 @@ def check_graphs(graphs: Sequence[GraphSpec], granularity: str, kv_layout: str, 
             need(rel is None or rel in files, f"{where}: file {rel!r} is not listed in files")
         check_io(g.role, g.seq, g.layer, (g.inputs, g.outputs), dims, where)
         if g.paired:  # the other variant of this layer names the same files
-            need(g.role in ("layer", "stack", "head") and kv_layout == "inplace" and prefill_chunk > 1,
+            need(g.role in ("layer", "head", *STACK_ROLES) and kv_layout == "inplace" and prefill_chunk > 1,
                  f"{where}.paired: only layer, stack or head graphs of an 'inplace' export with prefill_chunk > 1")
             other = layers.get((g.layer, prefill_chunk if g.seq == 1 else 1))
             need(g.role != "layer" or other is None or
                  (other.paired and (other.file, other.data) == (g.file, g.data)),
                  f"{where}.paired: the other variant of layer {g.layer} must be paired in the same file")
-    stacks = [g for g in graphs if g.role == "stack"]
-    need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
-         "graphs: the stack's two variants must be paired in one file")
+    for role in STACK_ROLES:
+        stacks = [g for g in graphs if g.role == role]
+        need(len({g.file for g in stacks}) <= 1 and all(g.paired for g in stacks),
+             f"graphs: the {role} graph's two variants must be paired in one file")
     heads = [g for g in graphs if g.role == "head"]
     need(not any(g.paired for g in heads) or (len({g.file for g in heads}) == 1 and all(g.paired for g in heads)),
          "graphs: a paired head's two variants must both be paired, in one file")

@@ -47,6 +47,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import EdgeError
 from .fileio import safe_join
+from .graphio import STACK_ROLES
 from .manifest import GraphSpec, Manifest
 from .onnxmeta import GraphInfo, read_graph_info
 
@@ -89,13 +90,15 @@ def check_external_data(directory: Path, spec: GraphSpec, info: GraphInfo) -> No
             raise EdgeError(f"{path}: cannot read the weights of {spec.file} ({err.strerror or err})") from None
 
 
-def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stacked: bool) -> dict[str, Placement]:
-    """Graph name -> Placement, for every graph an Engine opens: the stack and head graphs if `stacked`
-    (engine.runs_stack), else every other graph."""
+def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stacked: bool,
+         stack: str = "stack") -> dict[str, Placement]:
+    """Graph name -> Placement, for every graph an Engine opens: the head and the stack graph of role `stack`
+    if `stacked` (variant.runs_stack, variant.stack_role), else every graph but the stacks."""
     infos = {g.name: read_graph_info(safe_join(directory, g.file)) for g in manifest.graphs}
     for g in manifest.graphs:  # all of them: an export whose unopened graphs are broken is broken
         check_external_data(directory, g, infos[g.name])
-    graphs = [g for g in manifest.graphs if g.role == "head" or (g.role == "stack") == stacked]
+    graphs = [g for g in manifest.graphs
+              if g.role == "head" or (g.role == stack if stacked else g.role not in STACK_ROLES)]
     files = {g.name: {t.location for t in infos[g.name].external} for g in graphs}
     readers: dict[str, set[tuple[str, int | None]]] = {}  # data file -> units whose graphs read it
     for g in graphs:
@@ -105,7 +108,7 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
     prepack: dict[str, bool] = {}
     for g in graphs:
         quantized = bool(infos[g.name].op_types & QUANTIZED_OPS)
-        if g.role == "stack":
+        if g.role in STACK_ROLES:
             prepack[g.name] = True
         elif g.seq > 1 and not g.paired:  # a paired prefill variant shares its decode variant's session
             prepack[g.name] = quantized if prepack_prefill is None else prepack_prefill

@@ -51,6 +51,11 @@ class SessionConfig:
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
     optimization: Literal["disable", "basic", "extended", "all"] = "all"  # graph optimisation level
     stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
+    # each decode step computes its row as a speculative verification does (the stack's spare attention row):
+    # greedy speculation then keeps plain decoding's tokens. False: the lone-row stack where the export has
+    # one (format 13, edgellm/layout/lone.py), 8-27 % faster decode, for sampling (rejection sampling needs no
+    # bitwise rows)
+    exact: bool = True
     entries: tuple[tuple[str, str], ...] = ()  # more session config entries (tests: the QDQ accuracy level)
 
     def validate(self) -> None:

@@ -36,6 +36,12 @@ def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
     return manifest.granularity == "layer" and manifest.has_stack and config.stack
 
 
+def stack_role(manifest: Manifest, config: SessionConfig) -> str:
+    """Which stack an Engine that runs one opens: "stack_lone" (no spare attention row, format 13;
+    edgellm/layout/lone.py) when `config.exact` is off and the export has it, else "stack"."""
+    return "stack_lone" if not config.exact and manifest.has_lone_stack else "stack"
+
+
 class Variant:
     """Buffers and bound graphs for one sequence length S."""
 

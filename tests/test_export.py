@@ -64,7 +64,8 @@ def test_cli_export_writes_a_complete_manifest(cli_export):
     assert json.loads(shipped) == json.loads((root / "tokenizer.json").read_bytes()) and b"\n" not in shipped
     assert m.sampler == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "repetition_penalty": 1.0}
     assert m.quantization is None and m.export_options["prefill_chunk"] == 8
-    assert set(m.verification) == {g.name for g in m.graphs if g.role != "stack"} | {"end_to_end", "stack_vs_layers"}
+    assert set(m.verification) == ({g.name for g in m.graphs if g.role not in ("stack", "stack_lone")}
+                                   | {"end_to_end", "stack_vs_layers", "lone_vs_stack"})
     assert all(0 <= d < 1e-4 for d in m.verification.values())
     # exactly the listed files: no journal, no temp files; the partial directory is gone
     assert sorted(p.name for p in out.iterdir()) == sorted([*m.files, MANIFEST])
@@ -84,7 +85,7 @@ def test_graph_files_match_the_manifest(cli_export):
     stems = ["embed", "layer_0", "layer_1"]
     # the head's two variants are one graph (format 9, S symbolic: speculative decoding's k + 1 rows run it too)
     assert sorted(g.file for g in m.graphs) == sorted([f"{s}.{v}.onnx" for s in stems for v in ("prefill", "decode")]
-                                                      + ["stack.onnx"] * 2 + ["head.onnx"] * 2)
+                                                      + ["stack.onnx", "stack_lone.onnx", "head.onnx"] * 2)
     head = load_graph(out / "head.onnx")
     assert [d.dim_param or d.dim_value for d in head.graph.output[0].type.tensor_type.shape.dim] == \
         [1, "S", m.vocab_size] and {loc for loc, _, _ in externals(head).values()} == {m.graph("head", 1).data}
@@ -94,8 +95,10 @@ def test_graph_files_match_the_manifest(cli_export):
     assert {loc for loc, _, _ in externals(stack).values()} == \
         {g.data for g in m.graphs if g.role in ("embed", "layer")} | {"rope.data"}
     assert [v.name for v in stack.graph.input] == [t.name for t in m.graph("stack", 1).inputs]
+    lone = load_graph(out / "stack_lone.onnx")  # format 13: the same, without the spare attention row
+    assert externals(lone) == externals(stack) and lone.graph.input == stack.graph.input
     types = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
-    for g in (g for g in m.graphs if g.role not in ("stack", "head")):
+    for g in (g for g in m.graphs if g.role not in ("stack", "stack_lone", "head")):
         proto = load_graph(out / g.file)
         assert proto.ir_version == 10 and {o.domain: o.version for o in proto.opset_import}[""] == 20
         for got, want in ((proto.graph.input, g.inputs), (proto.graph.output, g.outputs)):

@@ -75,7 +75,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 12
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 13
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     rows = 16 + (SPARE_ROWS if layout == "inplace" else 0)
     assert f'"shape": [1, 2, {rows}, 4]' in text  # shapes on one line
@@ -169,8 +169,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=13, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 13 is not supported \(this edgellm reads 8-12; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=14, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 14 is not supported \(this edgellm reads 8-13; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

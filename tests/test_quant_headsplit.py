@@ -15,7 +15,7 @@ from edgellm.cli import main
 from edgellm.quant.headsplit import choose_rows, part_name, row_importance, split_head, split_order
 from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.schemes import Scheme, dequantize, from_matmulnbits, quantize
-from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.manifest import FORMAT_VERSION, read_manifest
 from tests.quant_helpers import export
 from tests.quant_helpers import quantize as quantize_export
 
@@ -104,7 +104,7 @@ def test_quantized_split_head_is_two_kernels_and_one_shared_copy(tied, tmp_path,
     head = load(out / m.graph("head", 1).file).graph
     parts = part_tables(head)
     assert sorted(parts) == [4, 8]
-    assert m.format_version == 12 and m.logit_columns == "logit_columns.i32"
+    assert m.format_version == FORMAT_VERSION and m.logit_columns == "logit_columns.i32"
     columns = np.fromfile(out / m.logit_columns, "<i4")                # the head's column -> token id
     assert sorted(columns) == list(range(v))
     table = np.empty((v, d), np.float32)

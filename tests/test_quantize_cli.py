@@ -160,7 +160,7 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
         assert all(g.paired and g.file == f"layer_{g.layer}.onnx" for g in layers)
         # the head too (format 9: one session runs a speculative verification's k + 1 rows); the embedding not
         assert all(g.paired and g.file == "head.onnx" for g in m.graphs if g.role == "head")
-        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack", "head"))
+        assert not any(g.paired for g in m.graphs if g.role not in ("layer", "stack", "stack_lone", "head"))
         assert not list(out4.glob("layer_*.prefill.onnx")) and not list(out4.glob("layer_*.decode.onnx"))
     weights = m4.quantization["weights"]
     expected = {f"layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS} | {"embed.weight", "lm_head.weight"}
@@ -181,7 +181,7 @@ def test_manifest_layout_sizes_and_untouched_input(tied, tmp_path) -> None:
         by_stem: dict[str, set] = {}
         for g in m.graphs:
             refs = {(t.location, t.offset, t.length) for t in external_tensors(out / g.file)}
-            if g.role == "stack":  # reads the embed and layer weights where they are: no byte written twice
+            if g.role in ("stack", "stack_lone"):  # read the embed and layer weights where they are: no byte twice
                 layered = {r for h in m.graphs if h.role in ("embed", "layer")
                            for r in {(t.location, t.offset, t.length) for t in external_tensors(out / h.file)}}
                 assert refs == layered

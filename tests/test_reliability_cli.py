@@ -332,19 +332,21 @@ def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
     fails(capsys, ["run", bad2, "--prompt", "a"], "tokenizer.json.xz: sha256 differs")
 
 
-def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export):
-    """The stack graph (what `run` runs) declares seqlens_k [2]: sha256 and sizes match (resealed), so only a
-    load-time shape check catches it - before a token is printed, naming the graph file."""
+@pytest.mark.parametrize(("graph", "flags"), [("stack.onnx", ["--temperature", "0"]), ("stack_lone.onnx", [])])
+def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export, graph, flags):
+    """The stack graph `run` runs (greedy: the stack; sampling, the export's default: the lone-row stack)
+    declares seqlens_k [2]: sha256 and sizes match (resealed), so only a load-time shape check catches it -
+    before a token is printed, naming the graph file."""
     def edit(d: Path) -> None:
-        path = d / "stack.onnx"
+        path = d / graph
         model = onnx.load(str(path), load_external_data=False)
         (lengths,) = [i for i in model.graph.input if i.name == "seqlens_k"]
         lengths.type.tensor_type.shape.dim[0].dim_value = 2
         onnx.save(model, str(path))
-        reseal(d, "stack.onnx")
+        reseal(d, graph)
 
     bad = copy_with(export, tmp_path / "bad", edit)
-    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], "stack.onnx", "seqlens_k")
+    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", *flags], graph, "seqlens_k")
 
 
 # ----------------------------------------------------------------------------- sampling, prompt, context

@@ -18,9 +18,11 @@ from pathlib import Path
 from . import integer, integers, number
 from .run import (
     PREFILL_WEIGHTS,
+    add_exact_flag,
     add_pool_flag,
     add_prefill_weights_flag,
     add_speculative_flags,
+    exact_decode,
     shared_pool,
     speculate,
 )
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "CPUs (default 3)")
     add_pool_flag(p, "bench")
     add_speculative_flags(p, default="off")
+    add_exact_flag(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (schema edgellm-bench v1)")
     p.set_defaults(func=run)
 
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     need(args.new_tokens >= 2, f"--new-tokens: expected an integer >= 2, got {args.new_tokens}")
     need(args.vs_torch is None or args.vs_torch.exists(), f"--vs-torch: {args.vs_torch} not found")
     config = SessionConfig(threads=args.threads, prepack_prefill=PREFILL_WEIGHTS[args.prefill_weights],
-                           shared_pool=shared_pool(args.thread_pool, "bench"))
+                           shared_pool=shared_pool(args.thread_pool, "bench"),
+                           exact=exact_decode(args.exact_decode, 0.0))  # greedy
     config.validate()
     gen = Generator.open(args.directory, config=config)
     speculate(gen, args, config)  # the prompts are random ids: lookup shows its cost where nothing repeats

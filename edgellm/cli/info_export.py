@@ -43,7 +43,8 @@ def _per_token(m: Manifest) -> str:
     if m.granularity == "model":
         return "model.decode (1 run)"
     if runs_stack(m, SessionConfig()):
-        return "stack.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`)"
+        lone = "; sampled runs: stack_lone.decode, no spare attention row" if m.has_lone_stack else ""
+        return f"stack.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`{lone})"
     return f"embed.decode + layer_0..{m.n_layers - 1}.decode + head.decode ({m.n_layers + 2} runs)"
 
 

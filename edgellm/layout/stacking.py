@@ -34,11 +34,14 @@ from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.session import RunClock, SessionConfig
 
+from .lone import lone_rows
 from .pairing import pair_layer, renamed_nodes
 
 STACK_FILE = "stack.onnx"
+LONE_FILE = "stack_lone.onnx"  # the stack without the spare attention row (lone.py)
 HEAD_FILE = "head.onnx"
 STACK_TOLERANCE = 1e-4  # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
+LONE_DECODE_BOUND = 0.1  # lone-row vs stack decode logits, relative (SmolLM2 int4: 0.023; the prefill check is exact)
 
 
 def _unit(model: onnx.ModelProto, prefix: str, feeds: dict[str, str], keep: set[str],
@@ -96,14 +99,21 @@ def stack_graphs(embed: onnx.ModelProto, layers: list[onnx.ModelProto]) -> onnx.
 
 def write_stack(directory: Path, manifest: Manifest, variants: dict[int, list[onnx.ModelProto]]) -> list[GraphSpec]:
     """Write `stack.onnx` into `directory` from each variant's embed and layer graphs (S -> [embed, layer_0,
-    ...], the graphs as written there), both variants merged into one graph; return its two manifest entries."""
+    ...], the graphs as written there), both variants merged into one graph; return its two manifest entries.
+    An export whose attention has the spare row (format 10+) also gets `stack_lone.onnx` (lone.py) and its two:
+    the caller writes format 13 then."""
     stacks = {seq: stack_graphs(models[0], models[1:]) for seq, models in variants.items()}
-    (directory / STACK_FILE).write_bytes(pair_layer(stacks[manifest.prefill_chunk], stacks[1]).SerializeToString())
+    stack = pair_layer(stacks[manifest.prefill_chunk], stacks[1])
+    graphs = [("stack", STACK_FILE, stack)]
+    if manifest.dims.spare > 0:
+        graphs.append(("stack_lone", LONE_FILE, lone_rows(stack)[0]))
     specs = []
-    for seq in (manifest.prefill_chunk, 1):
-        inputs, outputs = graph_io("stack", seq, None, manifest.dims)
-        specs.append(GraphSpec(graph_paths("stack", seq)[0], "stack", None, seq, STACK_FILE, None,
-                               inputs, outputs, paired=True))
+    for role, file, model in graphs:
+        (directory / file).write_bytes(model.SerializeToString())
+        for seq in (manifest.prefill_chunk, 1):
+            inputs, outputs = graph_io(role, seq, None, manifest.dims)
+            specs.append(GraphSpec(graph_paths(role, seq)[0], role, None, seq, file, None, inputs, outputs,
+                                   paired=True))
     return specs
 
 
@@ -139,4 +149,29 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
     diff = float(np.abs(rows[0] - rows[1]).max() / max(1.0, float(np.abs(rows[1]).max())))
     need(diff <= STACK_TOLERANCE, f"{directory}: the stack graph's logits differ from its layer graphs' by "
                                   f"{diff:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
+    return diff
+
+
+def check_lone(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
+    """The lone-row stack against the stack, through the runtime Engine: the rows of a prefill chunk (S >= 2,
+    where the kernel computes both alike) must agree within STACK_TOLERANCE; returns the decode steps' max
+    |lone - stack| / max(1, max |stack|) — the kernel's lone-row summation order, ~1e-6 in fp32, up to ~1e-2
+    once int8 activations round it — refused above LONE_DECODE_BOUND (a wiring error shows as ~1). The prefill
+    is one chunk call: up to prefill_chunk of `tokens`, then `decode_steps` more one by one."""
+    n = min(len(tokens) - decode_steps, manifest.prefill_chunk)
+    need(n > 1, "internal: the lone-row check needs 2 tokens to prefill and the decode steps")
+    tokens = list(tokens[:n + decode_steps])
+    runs = []
+    for exact in (True, False):
+        engine = Engine.open(Path(directory), manifest, SessionConfig(exact=exact))
+        need(engine.stack_role == ("stack" if exact else "stack_lone"), "internal: no stack_lone graph to check")
+        runs.append((engine.forward_rows(list(tokens[:n])), np.stack([engine.forward([t]).copy() for t in tokens[n:]])))
+        del engine
+    (ref_rows, ref_steps), (rows, steps) = runs
+    prefill = float(np.abs(rows - ref_rows).max() / max(1.0, float(np.abs(ref_rows).max())))
+    need(prefill <= STACK_TOLERANCE, f"{directory}: the lone-row stack's prefill logits differ from the stack's by "
+                                     f"{prefill:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
+    diff = float(np.abs(steps - ref_steps).max() / max(1.0, float(np.abs(ref_steps).max())))
+    need(diff <= LONE_DECODE_BOUND, f"{directory}: the lone-row stack's decode logits differ from the stack's by "
+                                    f"{diff:.3g} (relative; expected <= {LONE_DECODE_BOUND:g})")
     return diff
