@@ -1,5 +1,6 @@
 """`edgellm run` as aarch64 Python under qemu (a Raspberry Pi 4 CPU), with only numpy, onnxruntime and
-tokenizers installed, gives the host's greedy tokens for fp32, int8 and int4 exports (bench/arm64_check.sh).
+tokenizers installed, gives the host's greedy tokens for fp32, int8 and int4 exports, the int4 one also through
+its lone-row stack (`--exact-decode off`, format 13) (bench/arm64_check.sh).
 
 Cost on the 2-core dev VM: ~80 s cold (the sandbox downloads ~135 MB of Debian/PyPI packages into
 REPO/.arm64), ~20-25 s once the sandbox exists. Skipped where the sandbox cannot run (no sandbox script,
@@ -38,6 +39,7 @@ def test_greedy_tokens_on_aarch64_equal_the_host(tmp_path):
     for name in sorted(p.name for p in names):
         assert f"{name}: same greedy tokens" in proc.stdout, report[-3000:]
     assert "fp32: same greedy tokens" in proc.stdout
+    assert "int4-lone: same greedy tokens" in proc.stdout  # the lone-row stack (format 13) runs there too
     # equal outputs prove something only if they are not one repeated token (RTN int4 of the toy model was)
     for host in sorted((tmp_path / "host").glob("*.json")):
         ids = json.loads(host.read_text())["token_ids"]
