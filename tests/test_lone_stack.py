@@ -106,8 +106,9 @@ def test_a_wiring_error_is_refused(fp32: Path, tmp_path: Path) -> None:
         check_lone(bad, m, PROMPT + [4, 5, 6])
 
 
-def test_quantize_writes_it_and_upgrades_a_format_12_export(fp32: Path, tmp_path: Path) -> None:
-    """A format-12 export (no stack_lone) quantizes to a 13 with one: the stack is rebuilt there anyway."""
+def test_quantize_writes_it_and_upgrades_a_format_12_export(fp32: Path, tmp_path: Path, capsys) -> None:
+    """A format-12 export (no stack_lone) quantizes to a 13 with one: the stack is rebuilt there anyway. Asked
+    for the lone stack, `run` on the 12 says it decodes with the exact one."""
     old = tmp_path / "v12"
     old.mkdir()
     m = read_manifest(fp32)
@@ -119,6 +120,8 @@ def test_quantize_writes_it_and_upgrades_a_format_12_export(fp32: Path, tmp_path
     m12.write(old)
     assert read_manifest(old).format_version == 12
     assert Engine.open(old, m12, SessionConfig(exact=False)).stack_role == "stack"  # nothing else to open
+    assert main(["run", str(old), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--exact-decode", "off"]) == 0
+    assert "--exact-decode off: " + str(old) + " (format 12) has no lone-row stack" in capsys.readouterr().err
     out = quantize_export(old, tmp_path / "int8", QuantizeOptions(bits=8), progress=False, log=lambda _: None).manifest
     assert out.format_version == LONE_SINCE and {g.role for g in out.graphs} >= {"stack", "stack_lone"}
     assert 0 <= out.verification["lone_vs_stack"] <= 0.1

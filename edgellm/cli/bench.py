@@ -23,6 +23,7 @@ from .run import (
     add_prefill_weights_flag,
     add_speculative_flags,
     exact_decode,
+    note_no_lone_stack,
     shared_pool,
     speculate,
 )
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                            exact=exact_decode(args.exact_decode, 0.0))  # greedy
     config.validate()
     gen = Generator.open(args.directory, config=config)
+    note_no_lone_stack(gen.manifest, args.exact_decode, args.directory)
     speculate(gen, args, config)  # the prompts are random ids: lookup shows its cost where nothing repeats
     max_seq = gen.manifest.max_seq
     contexts = _contexts(args, max_seq)

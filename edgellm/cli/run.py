@@ -96,6 +96,13 @@ def exact_decode(choice: str, temperature: float) -> bool:
     return choice == "on" or (choice == "auto" and temperature == 0)
 
 
+def note_no_lone_stack(manifest, choice: str, directory: Path) -> None:
+    """`--exact-decode off` asked for a lone-row stack the export does not have (format 12 or older): say so."""
+    if choice == "off" and manifest.has_stack and not manifest.has_lone_stack:
+        print(f"[--exact-decode off: {directory} (format {manifest.format_version}) has no lone-row stack; "
+              "decoding with the exact one. Quantize or export it again with this edgellm for one]", file=sys.stderr)
+
+
 def speculate(gen, args: argparse.Namespace, config) -> None:
     """Apply --speculative / --draft / --draft-tokens to an opened Generator."""
     mode = args.speculative
@@ -182,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(**{**defaults.to_dict(), **given})  # checked by generate, before the first token
     config = dataclasses.replace(config, exact=exact_decode(args.exact_decode, sampling.temperature))
     gen = Generator(args.directory, manifest, config)
+    note_no_lone_stack(manifest, args.exact_decode, args.directory)
     speculate(gen, args, config)
     if args.chat:
         gen.check_chat()  # once, not per line
