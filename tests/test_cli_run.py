@@ -123,6 +123,10 @@ def test_bench_json(export, capsys):
     row = doc["rows"][0]
     assert row["system"] == "edgellm" and row["decode_tok_s"]["median"] > 0 and row["peak_rss_mb"] > 0
     assert 0 <= row["overhead_pct"]["median"] < 100
+    assert doc["stack"] == "stack"  # greedy: the exact stack; --exact-decode off: the lone-row one (format 13)
+    code, out, _ = run(capsys, "bench", export, "--runs", "1", "--new-tokens", "4", "--contexts", "3", "--threads",
+                       "1", "--json", "--max-other-load", "100", "--exact-decode", "off")
+    assert code == 0 and json.loads(out)["stack"] == "stack_lone"
 
 
 @pytest.mark.parametrize("argv", [["info"], ["run", "--prompt", "a", "--temperature", "0"]], ids=["info", "run"])

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     config.validate()
     gen = Generator.open(args.directory, config=config)
     note_no_lone_stack(gen.manifest, args.exact_decode, args.directory)
+    stack = gen.engine.stack_role if gen.engine.stacked else None  # which stack decodes: "stack" or "stack_lone"
     speculate(gen, args, config)  # the prompts are random ids: lookup shows its cost where nothing repeats
     max_seq = gen.manifest.max_seq
     contexts = _contexts(args, max_seq)
@@ -91,12 +92,14 @@ def run(args: argparse.Namespace) -> int:
     vs = ratios(rows)
     if args.json:
         print(json.dumps({"schema": JSON_SCHEMA, "version": JSON_VERSION, "export": str(args.directory),
-                          "threads": args.threads, "shared_pool": config.shared_pool, "new_tokens": args.new_tokens, "runs": args.runs,
+                          "threads": args.threads, "shared_pool": config.shared_pool, "stack": stack,
+                          "new_tokens": args.new_tokens, "runs": args.runs,
                           "max_seq": max_seq, "huge_pages_mb": round(huge, 1), "rows": [r.to_dict() for r in rows],
                           "vs_torch": {str(k): v for k, v in vs.items()}}))
         return 0
     pool = "shared" if config.shared_pool else "per-session"
-    print(f"{args.directory}: {args.threads} threads ({pool} pool), {args.new_tokens} new tokens, greedy, EOS "
+    through = f", through {stack}.onnx" if stack else ""
+    print(f"{args.directory}: {args.threads} threads ({pool} pool{through}), {args.new_tokens} new tokens, greedy, EOS "
           f"ignored, max_seq {max_seq}, {huge:.0f} MB in huge pages, median (min-max) of {args.runs} runs after "
           "a warm-up")
     for line in format_table(rows):
