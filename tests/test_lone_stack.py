@@ -141,15 +141,21 @@ def test_the_manifest_refuses_it_in_a_12_or_without_a_stack(fp32: Path) -> None:
         type(m).from_json(json.dumps(doc))
 
 
-@pytest.mark.parametrize("temperature,lookup", [("0", True), ("0.8", False)])
+@pytest.mark.parametrize("temperature,stack", [("0", "stack"), ("0.8", "stack_lone")])
 def test_the_cli_samples_through_it_and_decodes_greedy_exactly(fp32: Path, capsys, temperature: str,
-                                                               lookup: bool) -> None:
-    """`--exact-decode auto`: greedy keeps the exact stack (so `--speculative auto` turns lookup on); a sampled
-    run opens the lone one (auto speculation then stays off); `on` forces the exact stack when sampling."""
+                                                               stack: str) -> None:
+    """`--exact-decode auto`: greedy keeps the exact stack, a sampled run opens the lone one (`edgellm bench`
+    names the stack; `run` decodes the same way); `--speculative auto` is lookup for both (greedy: exact rows;
+    sampled: rejection sampling), and off for greedy decoding through the lone stack (`--exact-decode off`)."""
     args = ["run", str(fp32), "--prompt-ids", ",".join(map(str, PROMPT * 2)), "--max-new-tokens", "6",
             "--temperature", temperature, "--seed", "1", "--json"]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert (doc["stats"].get("speculative") is not None) == lookup and len(doc["token_ids"]) == 6
-    assert main(args + ["--exact-decode", "on"]) == 0
-    assert json.loads(capsys.readouterr().out)["stats"].get("speculative") is not None
+    assert doc["stats"].get("speculative") is not None and len(doc["token_ids"]) == 6
+    assert main(["run", str(fp32), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--temperature", "0",
+                 "--exact-decode", "off", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"].get("speculative") is None
+    from edgellm.cli.run import exact_decode
+    from edgellm.runtime.generator import Generator
+    exact = exact_decode("auto", float(temperature))
+    assert Generator.open(fp32, config=SessionConfig(exact=exact)).engine.stack_role == stack

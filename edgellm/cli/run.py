@@ -73,7 +73,8 @@ def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> 
                         "context (prompt lookup), draft runs --draft DIR as the drafter; adaptive, so text that "
                         "repeats nothing decodes at plain speed. auto: lookup where a verification computes every "
                         "row bit for bit as a decode step does (fused layers with the stack, the default export "
-                        "layout, fp32 and quantized alike: greedy gives plain decoding's tokens), else off "
+                        "layout, fp32 and quantized alike: greedy gives plain decoding's tokens) and, when "
+                        "sampling, through the lone-row stack too (rejection sampling), else off "
                         "(default " + default + ")")
     p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
                                                                "same tokenizer")
@@ -87,7 +88,7 @@ def add_exact_flag(p: argparse.ArgumentParser) -> None:
                    help="on: each decode step computes its row exactly as a speculative verification does (the "
                         "export's spare attention row), so greedy speculation keeps plain decoding's tokens; off: "
                         "the stack without that row (format 13 exports), 8-27%% faster decode, not bit for bit a "
-                        "verification row (auto speculation then stays off for greedy); auto (default): on for "
+                        "verification row (auto speculation then stays off for greedy decoding); auto (default): on for "
                         "greedy decoding, off when sampling (rejection sampling keeps the distribution either way)")
 
 
@@ -103,11 +104,14 @@ def note_no_lone_stack(manifest, choice: str, directory: Path) -> None:
               "decoding with the exact one. Quantize or export it again with this edgellm for one]", file=sys.stderr)
 
 
-def speculate(gen, args: argparse.Namespace, config) -> None:
-    """Apply --speculative / --draft / --draft-tokens to an opened Generator."""
+def speculate(gen, args: argparse.Namespace, config, sampled: bool = False) -> None:
+    """Apply --speculative / --draft / --draft-tokens to an opened Generator. auto: lookup where a verification
+    row is bit for bit a decode step (greedy then keeps plain decoding's tokens) and, for a `sampled` run,
+    wherever the stack verifies rows in one call (the lone-row stack too: rejection sampling keeps the
+    distribution whatever the rows' last bits); else off."""
     mode = args.speculative
     if mode == "auto":
-        mode = "lookup" if gen.engine.exact_rows else "off"
+        mode = "lookup" if gen.engine.exact_rows or (sampled and gen.engine.any_rows) else "off"
     gen.speculate(mode, args.draft, args.draft_tokens, config)
 
 
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(config, exact=exact_decode(args.exact_decode, sampling.temperature))
     gen = Generator(args.directory, manifest, config)
     note_no_lone_stack(manifest, args.exact_decode, args.directory)
-    speculate(gen, args, config)
+    speculate(gen, args, config, sampled=sampling.temperature != 0)
     if args.chat:
         gen.check_chat()  # once, not per line
         return _chat(gen, sampling, stop, args)
