@@ -1,10 +1,10 @@
 """Bad input through the real CLI, every verb: exit code 2, ONE stderr line naming the file or flag, no
 traceback, nothing written. In-process (`edgellm.cli.main`) for the matrix, and real `python -m edgellm`
-subprocesses for the exit code / one-line / no-traceback contract as a user sees it."""
+subprocesses for the exit code / one-line / no-traceback contract as a user sees it. Corrupt exports:
+test_reliability_exports.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,21 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
-from edgellm.cli import main
-from edgellm.loaders import save_checkpoint
-from tests.export_helpers import tiny_model
+from tests.cli_helpers import copy_with, edit_json, fails, tiny_checkpoint, truncate
 from tests.runtime_fixtures import bigram_export, tiny_export
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """A tiny native checkpoint (no tokenizer)."""
-    path = tmp_path_factory.mktemp("rel-cli") / "ckpt"
-    save_checkpoint(tiny_model("llama2", seed=0, n_layers=1), path)
-    return path
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -42,38 +36,6 @@ def export(tmp_path_factory) -> Path:
 def bigram(tmp_path_factory) -> Path:
     """The shared export that carries a tokenizer.json."""
     return bigram_export(tmp_path_factory)
-
-
-def fails(capsys, argv: list[str], *needles: object) -> str:
-    """Run the CLI in-process; it must exit 2 with one `edgellm VERB: error: ...` line holding `needles`."""
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert code == 2, (code, out, err)
-    assert err.count("\n") == 1 and err.startswith(f"edgellm {argv[0]}: error: "), err
-    assert "Traceback" not in err and out == "", (out, err)
-    for needle in needles:
-        assert str(needle) in err, (needle, err)
-    return err
-
-
-def copy_with(src: Path, dst: Path, edit: Callable[[Path], None]) -> Path:
-    shutil.copytree(src, dst)
-    edit(dst)
-    return dst
-
-
-def reseal(directory: Path, rel: str) -> None:
-    """Record a changed file's new sha256 and size in manifest.json, so only a deeper check can catch it."""
-    doc = json.loads((directory / "manifest.json").read_text())
-    data = (directory / rel).read_bytes()
-    doc["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (directory / "manifest.json").write_text(json.dumps(doc))
-
-
-def edit_json(path: Path, change: Callable[[dict], None]) -> None:
-    doc = json.loads(path.read_text())
-    change(doc)
-    path.write_text(json.dumps(doc))
 
 
 # ------------------------------------------------------------------------------------------ missing paths
@@ -208,13 +170,6 @@ def test_unknown_preset_and_config_keys(tmp_path, capsys, ckpt):
 # ---------------------------------------------------------------------------------- corrupt checkpoints
 
 
-def _truncate(rel: str, keep: float) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        data = (d / rel).read_bytes()
-        (d / rel).write_bytes(data[: int(len(data) * keep)])
-    return edit
-
-
 def _header_len(value: int) -> Callable[[Path], None]:
     def edit(d: Path) -> None:
         data = (d / "model.safetensors").read_bytes()
@@ -223,11 +178,11 @@ def _header_len(value: int) -> Callable[[Path], None]:
 
 
 @pytest.mark.parametrize(("edit", "needle"), [
-    (_truncate("model.safetensors", 0.5), "model.safetensors"),
-    (_truncate("model.safetensors", 0.0), "model.safetensors"),
+    (truncate("model.safetensors", 0.5), "model.safetensors"),
+    (truncate("model.safetensors", 0.0), "model.safetensors"),
     (_header_len(1 << 60), "model.safetensors"),
     (_header_len(100), "model.safetensors"),
-    (_truncate("edgellm.json", 0.5), "edgellm.json"),
+    (truncate("edgellm.json", 0.5), "edgellm.json"),
     (lambda d: edit_json(d / "edgellm.json", lambda doc: doc.update(format_version=99)), "format_version 99"),
     (lambda d: (d / "model.safetensors").unlink(), "model.safetensors: missing"),
 ], ids=["half-weights", "empty-weights", "header-2^60", "header-short", "half-marker", "version", "no-weights"])
@@ -268,87 +223,6 @@ def test_export_rejects_a_checkpoint_with_a_corrupt_tokenizer(tmp_path, capsys, 
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-# -------------------------------------------------------------------------------------- corrupt exports
-
-
-def _flip(rel: str) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        data = bytearray((d / rel).read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (d / rel).write_bytes(bytes(data))
-    return edit
-
-
-def _truncate_resealed(rel: str) -> Callable[[Path], None]:
-    def edit(d: Path) -> None:
-        _truncate(rel, 0.5)(d)
-        reseal(d, rel)
-    return edit
-
-
-EXPORT_CASES = {  # id: (edit, text the one line must hold)
-    "version": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=99)),
-                "format_version 99 is not supported"),
-    "format": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(format="other")), "format: expected"),
-    "not-json": (_truncate("manifest.json", 0.5), "manifest.json: not valid JSON"),
-    "missing-file": (lambda d: (d / "layer_1.data").unlink(), "layer_1.data: listed in files but missing"),
-    "sha256": (_flip("layer_0.data"), "layer_0.data: sha256 differs from the manifest"),
-    "truncated-data": (_truncate("head.data", 0.5), "head.data"),
-    "onnx-resealed": (_truncate_resealed("stack.onnx"), "stack.onnx"),  # the graph run and bench run
-    "unknown-key": (lambda d: edit_json(d / "manifest.json", lambda m: m.update(extra=1)), "unknown key(s) ['extra']"),
-}
-
-
-@pytest.mark.parametrize("case", list(EXPORT_CASES))
-def test_corrupt_export_every_reader(tmp_path, capsys, ckpt, export, case):
-    edit, needle = EXPORT_CASES[case]
-    bad = copy_with(export, tmp_path / "bad", edit)
-    out = tmp_path / "out"
-    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"], needle)
-    fails(capsys, ["bench", bad, "--runs", "1", "--new-tokens", "2"], needle)
-    if case == "onnx-resealed":
-        return  # see test_corrupt_graph_with_a_valid_manifest_in_quantize_and_diff
-    fails(capsys, ["info", bad], needle)             # info reads only the manifest, but checks every file first
-    fails(capsys, ["quantize", bad, "-o", out, "--bits", "8", "--no-progress"], needle)
-    fails(capsys, ["diff", ckpt, bad, "-o", out, "--quiet"], needle)
-    assert not out.exists()
-
-
-def test_corrupt_graph_with_a_valid_manifest_in_quantize(tmp_path, capsys, export):
-    bad = copy_with(export, tmp_path / "bad", _truncate_resealed("layer_0.decode.onnx"))  # quantize reads layers
-    out = tmp_path / "out"
-    for argv in (["quantize", bad, "-o", out, "--bits", "8", "--no-progress"],):
-        try:
-            fails(capsys, argv, "layer_0.decode.onnx")
-        except Exception as err:  # a traceback-worthy exception is this test's failure, not a crash
-            raise AssertionError(f"{argv[0]}: {type(err).__name__}: {err}") from None
-    assert not out.exists()
-
-
-def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
-    bad = copy_with(bigram, tmp_path / "bad", _truncate_resealed("tokenizer.json.xz"))
-    fails(capsys, ["run", bad, "--prompt", "a"], "tokenizer.json.xz")
-    bad2 = copy_with(bigram, tmp_path / "bad2", _flip("tokenizer.json.xz"))  # not resealed: the sha256 catches it
-    fails(capsys, ["run", bad2, "--prompt", "a"], "tokenizer.json.xz: sha256 differs")
-
-
-@pytest.mark.parametrize(("graph", "flags"), [("stack.onnx", ["--temperature", "0"]), ("stack_lone.onnx", [])])
-def test_graph_shapes_that_disagree_with_the_manifest(tmp_path, capsys, export, graph, flags):
-    """The stack graph `run` runs (greedy: the stack; sampling, the export's default: the lone-row stack)
-    declares seqlens_k [2]: sha256 and sizes match (resealed), so only a load-time shape check catches it -
-    before a token is printed, naming the graph file."""
-    def edit(d: Path) -> None:
-        path = d / graph
-        model = onnx.load(str(path), load_external_data=False)
-        (lengths,) = [i for i in model.graph.input if i.name == "seqlens_k"]
-        lengths.type.tensor_type.shape.dim[0].dim_value = 2
-        onnx.save(model, str(path))
-        reseal(d, graph)
-
-    bad = copy_with(export, tmp_path / "bad", edit)
-    fails(capsys, ["run", bad, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", *flags], graph, "seqlens_k")
-
-
 # ----------------------------------------------------------------------------- sampling, prompt, context
 
 
@@ -375,7 +249,8 @@ def test_bench_flags(capsys, export):
 
 def test_every_verb_as_a_process_exits_2_with_one_line(tmp_path, ckpt, export):
     """Real `python -m edgellm` processes, run side by side: exit 2, one stderr line, no traceback."""
-    bad = copy_with(export, tmp_path / "bad", EXPORT_CASES["version"][0])
+    bad = copy_with(export, tmp_path / "bad",
+                    lambda d: edit_json(d / "manifest.json", lambda m: m.update(format_version=99)))
     gone, out = tmp_path / "gone", tmp_path / "out"
     cases = {
         "info": (["info", gone], gone.name),
