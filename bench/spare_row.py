@@ -12,7 +12,8 @@ decode step as it would be without exactness, then
 2. times the decode step (stack + head graphs, one process, one thread pool, the two exports alternating each
    round, caches filled to each context length; bench/op_profile.py's bindings) and prints the median ms per
    step of each and their ratio.
-The copy is a measurement artifact: its verification rows are not its decode steps, so it must not speculate.
+The copy is a measurement artifact: its verification rows are not its decode steps, so it must not speculate
+(a format-13 export carries the same graph as stack_lone.onnx, which only sampled runs open).
 """
 
 from __future__ import annotations
@@ -31,41 +32,21 @@ import onnxruntime as ort
 from onnxruntime.capi import _pybind_state
 from op_profile import bind, options
 
+from edgellm.layout.lone import lone_rows
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.fileio import describe_files
 from edgellm.runtime.manifest import read_manifest
 
-# export/fused.py's names for the spare row's constants (in the stack: prefixed per layer)
-PAD, ONE, END = "attn.extra_row", "attn.one", "attn.rows.end"
-
 
 def without_spare_row(src: Path, out: Path) -> int:
-    """Copy `src` to `out` with the stack's Pad / Add / Slice of the spare row bypassed; return nodes removed."""
+    """Copy `src` to `out` with its stack.onnx replaced by the stack without the spare row (lone.py's rule, the
+    one format 13 writes as stack_lone.onnx: older exports have none); return the nodes removed."""
     shutil.copytree(src, out)
-    model = onnx.load(str(out / "stack.onnx"), load_external_data=False)
-    alias: dict[str, str] = {}
-    for n in model.graph.node:
-        if ((n.op_type == "Pad" and any(PAD in i for i in n.input)) or
-                (n.op_type == "Add" and any(i.endswith(ONE) for i in n.input)) or
-                (n.op_type == "Slice" and any(END in i for i in n.input))):
-            alias[n.output[0]] = n.input[0]
-    if not alias:
-        raise SystemExit(f"{src}: its stack graph has no spare attention row (format 10+ fused exports have one)")
-
-    def source(name: str) -> str:
-        while name in alias:
-            name = alias[name]
-        return name
-
-    nodes = [n for n in model.graph.node if n.output[0] not in alias]
-    for n in nodes:
-        n.input[:] = [source(i) for i in n.input]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    onnx.save(model, str(out / "stack.onnx"))
+    lone, removed = lone_rows(onnx.load(str(out / "stack.onnx"), load_external_data=False))
+    onnx.save(lone, str(out / "stack.onnx"))
     manifest = read_manifest(src, verify=False)
     replace(manifest, files={**manifest.files, **describe_files(out, ["stack.onnx"])}).write(out)
-    return len(alias)
+    return removed
 
 
 def row_difference(directory: Path, tokens: list[int]) -> float:

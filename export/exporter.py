@@ -184,7 +184,7 @@ def _add_stack(partial: Path, manifest: Manifest, seed: int) -> Manifest:
     manifest = pair_head(partial, manifest)  # one head session for S = 1 and a verification's k + 1 rows
     tokens = np.random.default_rng(seed).integers(0, manifest.vocab_size, manifest.prefill_chunk + 4).tolist()
     checks = {"stack_vs_layers": check_stack(partial, manifest, tokens)}
-    if any(g.role == "stack_lone" for g in specs):
+    if manifest.has_lone_stack:
         checks["lone_vs_stack"] = check_lone(partial, manifest, tokens)
     return replace(manifest, verification={**manifest.verification, **checks})
 

@@ -30,9 +30,8 @@ from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import describe_files
 from edgellm.runtime.graphio import graph_io, graph_paths
-from edgellm.runtime.kvcache import KVCache
 from edgellm.runtime.manifest import GraphSpec, Manifest
-from edgellm.runtime.session import RunClock, SessionConfig
+from edgellm.runtime.session import SessionConfig
 
 from .lone import lone_rows
 from .pairing import pair_layer, renamed_nodes
@@ -130,23 +129,34 @@ def pair_head(directory: Path, manifest: Manifest) -> Manifest:
     return replace(manifest, graphs=graphs, files=files)
 
 
+def _relative(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max(1, max |ref|): the checks' one measure."""
+    return float(np.abs(got - ref).max() / max(1.0, float(np.abs(ref).max())))
+
+
+def _through_engine(directory: Path, manifest: Manifest, config: SessionConfig, tokens: Sequence[int],
+                    n: int) -> tuple[Engine, np.ndarray, np.ndarray]:
+    """The runtime's logits: tokens[:n] as a prompt (every row, `forward_rows`), then the rest one by one."""
+    engine = Engine.open(Path(directory), manifest, config)
+    rows = engine.forward_rows(list(tokens[:n]))
+    steps = np.stack([engine.forward([t]).copy() for t in tokens[n:]])
+    return engine, rows, steps
+
+
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
-    """Max |stack - layers| / max(1, max |layers|) of the runtime Engine's logits, refused above
-    STACK_TOLERANCE; the same tokens fed both ways: all but `decode_steps` as a prompt (prefill variant), the
-    rest one by one (decode variant). (Not against quantize's prefill-graph logits: int4 kernels at S = 1 and
-    S = chunk differ by ~1e-2 themselves.)"""
+    """Max relative |stack - layers| of the runtime Engine's logits, refused above STACK_TOLERANCE; the same
+    tokens fed both ways: all but `decode_steps` as a prompt (prefill variant), the rest one by one (decode
+    variant). (Not against quantize's prefill-graph logits: int4 kernels at S = 1 and S = chunk differ by ~1e-2
+    themselves.)"""
     n = len(tokens) - decode_steps
     need(n > 0, "internal: the stack check needs more tokens than decode steps")
-    rows = []
+    runs = []
     for stack in (True, False):
-        cache = KVCache(manifest.n_layers, manifest.n_kv_heads, manifest.max_seq, manifest.head_dim,
-                        rows=manifest.dims.all_rows)
-        engine = Engine(Path(directory), manifest, cache, SessionConfig(stack=stack), RunClock())
+        engine, rows, steps = _through_engine(directory, manifest, SessionConfig(stack=stack), tokens, n)
         need(engine.stacked == stack, "internal: the stack check needs an export with a stack graph")
-        rows.append(np.stack([engine.forward(list(tokens[:n])).copy()] +
-                             [engine.forward([t]).copy() for t in tokens[n:]]))
+        runs.append(np.concatenate([rows, steps]))
         del engine
-    diff = float(np.abs(rows[0] - rows[1]).max() / max(1.0, float(np.abs(rows[1]).max())))
+    diff = _relative(*runs)
     need(diff <= STACK_TOLERANCE, f"{directory}: the stack graph's logits differ from its layer graphs' by "
                                   f"{diff:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
     return diff
@@ -155,23 +165,23 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
 def check_lone(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
     """The lone-row stack against the stack, through the runtime Engine: the rows of a prefill chunk (S >= 2,
     where the kernel computes both alike) must agree within STACK_TOLERANCE; returns the decode steps' max
-    |lone - stack| / max(1, max |stack|) — the kernel's lone-row summation order, ~1e-6 in fp32, up to ~1e-2
-    once int8 activations round it — refused above LONE_DECODE_BOUND (a wiring error shows as ~1). The prefill
-    is one chunk call: up to prefill_chunk of `tokens`, then `decode_steps` more one by one."""
+    relative |lone - stack| — the kernel's lone-row summation order, ~1e-6 in fp32, up to ~1e-2 once int8
+    activations round it — refused above LONE_DECODE_BOUND. The prefill is one chunk call: up to
+    prefill_chunk of `tokens`, then `decode_steps` more one by one."""
     n = min(len(tokens) - decode_steps, manifest.prefill_chunk)
     need(n > 1, "internal: the lone-row check needs 2 tokens to prefill and the decode steps")
-    tokens = list(tokens[:n + decode_steps])
     runs = []
     for exact in (True, False):
-        engine = Engine.open(Path(directory), manifest, SessionConfig(exact=exact))
+        engine, rows, steps = _through_engine(directory, manifest, SessionConfig(exact=exact),
+                                              tokens[:n + decode_steps], n)
         need(engine.stack_role == ("stack" if exact else "stack_lone"), "internal: no stack_lone graph to check")
-        runs.append((engine.forward_rows(list(tokens[:n])), np.stack([engine.forward([t]).copy() for t in tokens[n:]])))
+        runs.append((rows, steps))
         del engine
     (ref_rows, ref_steps), (rows, steps) = runs
-    prefill = float(np.abs(rows - ref_rows).max() / max(1.0, float(np.abs(ref_rows).max())))
+    prefill = _relative(rows, ref_rows)
     need(prefill <= STACK_TOLERANCE, f"{directory}: the lone-row stack's prefill logits differ from the stack's by "
                                      f"{prefill:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
-    diff = float(np.abs(steps - ref_steps).max() / max(1.0, float(np.abs(ref_steps).max())))
+    diff = _relative(steps, ref_steps)
     need(diff <= LONE_DECODE_BOUND, f"{directory}: the lone-row stack's decode logits differ from the stack's by "
                                     f"{diff:.3g} (relative; expected <= {LONE_DECODE_BOUND:g})")
     return diff
