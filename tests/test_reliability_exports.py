@@ -22,20 +22,9 @@ from tests.runtime_fixtures import bigram_export, tiny_export
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     """The shared tiny llama2 export: 2 layers, max_seq 64, prefill chunk 8, no tokenizer."""
     return tiny_export(tmp_path_factory, "llama2", "layer")[0]
-
-
-@pytest.fixture(scope="module")
-def bigram(tmp_path_factory) -> Path:
-    """The shared export that carries a tokenizer.json."""
-    return bigram_export(tmp_path_factory)
 
 
 EXPORT_CASES = {  # id: (edit, text the one line must hold)
@@ -52,7 +41,7 @@ EXPORT_CASES = {  # id: (edit, text the one line must hold)
 
 
 @pytest.mark.parametrize("case", list(EXPORT_CASES))
-def test_corrupt_export_every_reader(tmp_path, capsys, ckpt, export, case):
+def test_corrupt_export_every_reader(tmp_path, tmp_path_factory, capsys, export, case):
     edit, needle = EXPORT_CASES[case]
     bad = copy_with(export, tmp_path / "bad", edit)
     out = tmp_path / "out"
@@ -62,6 +51,7 @@ def test_corrupt_export_every_reader(tmp_path, capsys, ckpt, export, case):
         return  # see test_corrupt_graph_with_a_valid_manifest_in_quantize_and_diff
     fails(capsys, ["info", bad], needle)             # info reads only the manifest, but checks every file first
     fails(capsys, ["quantize", bad, "-o", out, "--bits", "8", "--no-progress"], needle)
+    ckpt = tiny_checkpoint(tmp_path_factory)  # `diff` reads a checkpoint too
     fails(capsys, ["diff", ckpt, bad, "-o", out, "--quiet"], needle)
     assert not out.exists()
 
@@ -77,7 +67,8 @@ def test_corrupt_graph_with_a_valid_manifest_in_quantize(tmp_path, capsys, expor
     assert not out.exists()
 
 
-def test_corrupt_tokenizer_in_an_export(tmp_path, capsys, bigram):
+def test_corrupt_tokenizer_in_an_export(tmp_path, tmp_path_factory, capsys):
+    bigram = bigram_export(tmp_path_factory)  # the shared export that carries a tokenizer
     bad = copy_with(bigram, tmp_path / "bad", truncate_resealed("tokenizer.json.xz"))
     fails(capsys, ["run", bad, "--prompt", "a"], "tokenizer.json.xz")
     bad2 = copy_with(bigram, tmp_path / "bad2", flip("tokenizer.json.xz"))  # not resealed: the sha256 catches it
