@@ -25,7 +25,7 @@ from onnxruntime.capi import _pybind_state
 GENAI_ROWS = 1024  # onnxruntime-genai's past_present_share_buffer caches: [1, kv_heads, max_length, head_dim]
 
 
-def bind(session: ort.InferenceSession, context: int) -> tuple[ort.IOBinding, list[np.ndarray]]:
+def bind(session: ort.InferenceSession, context: int, rows: int = 1) -> tuple[ort.IOBinding, list[np.ndarray]]:
     binding, keep = session.io_binding(), []
     outputs = {o.name for o in session.get_outputs()}
 
@@ -39,12 +39,14 @@ def bind(session: ort.InferenceSession, context: int) -> tuple[ort.IOBinding, li
 
     for i in session.get_inputs():
         n, shape = i.name, [d if isinstance(d, int) else 1 for d in i.shape]
+        if len(shape) == 3 and not isinstance(i.shape[1], int):
+            shape[1] = rows  # hidden [1, S, D]
         if n in ("tokens", "input_ids"):
-            inp(n, np.array([[42]], np.int64))
+            inp(n, np.full((1, rows), 42, np.int64))
         elif n == "seqlens_k":
             inp(n, np.array([context], np.int32))
         elif n == "total_len":
-            inp(n, np.array(context + 1, np.int32))
+            inp(n, np.array(context + rows, np.int32))
         elif n == "attention_mask":
             inp(n, np.ones((1, context + 1), np.int64))
         elif n == "position_ids":
@@ -63,7 +65,10 @@ def bind(session: ort.InferenceSession, context: int) -> tuple[ort.IOBinding, li
             inp(n, np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     for o in session.get_outputs():
         if not o.name.startswith("present"):
-            out(o.name, np.zeros([d if isinstance(d, int) else 1 for d in o.shape], np.float32))
+            shape = [d if isinstance(d, int) else 1 for d in o.shape]
+            if len(shape) == 3 and not isinstance(o.shape[1], int):
+                shape[1] = rows
+            out(o.name, np.zeros(shape, np.float32))
     return binding, keep
 
 
@@ -77,11 +82,11 @@ def options(profile: bool) -> ort.SessionOptions:
     return o
 
 
-def time_steps(steps: list[list[str]], context: int, rounds: int, calls: int) -> None:
+def time_steps(steps: list[list[str]], context: int, rounds: int, calls: int, rows: int = 1) -> None:
     opened = []
     for step in steps:
         sessions = [ort.InferenceSession(p, options(False), providers=["CPUExecutionProvider"]) for p in step]
-        opened.append([(s, *bind(s, context)) for s in sessions])
+        opened.append([(s, *bind(s, context, rows)) for s in sessions])
     for r in range(rounds):
         for step, graphs in zip(steps, opened, strict=True):
             for _ in range(calls // 10 + 1):
@@ -95,9 +100,9 @@ def time_steps(steps: list[list[str]], context: int, rounds: int, calls: int) ->
             print(f"round {r + 1}: {' + '.join(step)}: {ms:.3f} ms per step (unprofiled)")
 
 
-def profile(path: str, context: int, steps: int) -> None:
+def profile(path: str, context: int, steps: int, rows: int = 1) -> None:
     session = ort.InferenceSession(path, options(True), providers=["CPUExecutionProvider"])
-    binding, _keep = bind(session, context)
+    binding, _keep = bind(session, context, rows)
     for _ in range(steps):
         session.run_with_iobinding(binding)
     with open(session.end_profiling()) as f:
@@ -122,12 +127,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=1, help="rows per call: S = k + 1 of a verification (edgellm graphs)")
     args = p.parse_args()
     _pybind_state.set_global_thread_pool_sizes(args.threads, 1)
-    time_steps(args.step, args.context, args.rounds, args.steps)
+    time_steps(args.step, args.context, args.rounds, args.steps, args.rows)
     for step in args.step:
         for path in step:
-            profile(path, args.context, args.steps)
+            profile(path, args.context, args.steps, args.rows)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ alternating rounds; every case must give the same greedy tokens both ways (asser
 Tasks (chat template, greedy, EOS ends a run): grounded ones hold TEXT (~330 tokens) or CODE in the prompt and
 ask to repeat, correct, extract from or edit it; free-form ones hold nothing to copy. Prints decode tok/s per
 task and mode (median over rounds), the speculative / plain ratio per task and the median ratio per group, and
-the machine's load average (the VM is shared). `--draft-tokens 8 16` runs lookup once per k_max in each round
+the machine's load average (the VM is shared), and per task the oracle bound (bench/speculative_bound.py: the
+ratio a policy knowing the tokens in advance would reach with the same drafter at the costs measured here) and
+the verification costs. `--draft-tokens 8 16` runs lookup once per k_max in each round
 (the order rotating; a column each), to compare settings on the same tokens. `--json FILE` writes every
 measurement.
 """
@@ -20,6 +22,8 @@ import os
 import statistics
 import sys
 from pathlib import Path
+
+from speculative_bound import bound
 
 TEXT = (
     "The lighthouse on Marrow Point was built in 1871 from granite quarried eleven miles inland. Its lamp, "
@@ -87,6 +91,7 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
     speeds: dict[str, dict[str, list[float]]] = {t: {s: [] for s in settings} for t in TASKS}
     stats: dict[str, dict[str, dict]] = {t: {} for t in TASKS}
     differ: dict[str, int] = {}  # task -> first new token where a speculative run and plain greedy differ
+    plain: dict[str, list[int]] = {}  # task -> plain greedy tokens (the bound's)
     for rnd in range(rounds + 1):  # round 0 warms up (not kept)
         for name, ids in prompts.items():
             shift = rnd % len(settings)
@@ -99,13 +104,18 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
                     speeds[name][setting].append(tok_s)
                 if spec is not None:
                     stats[name][setting] = spec | {"new_tokens": len(tokens), "prompt_tokens": len(ids)}
+            plain[name] = got["off"]
             for setting, tokens in got.items():  # recorded, and the run fails at the end (exit 1)
                 if tokens != got["off"]:
                     first = next((i for i, (a, b) in enumerate(zip(got["off"], tokens, strict=False)) if a != b),
                                  min(len(got["off"]), len(tokens)))
                     differ.setdefault(f"{name} {setting}", first)
         print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-    return {"speeds": speeds, "stats": stats, "load": os.getloadavg(), "differ": differ}
+    # the oracle's ratio per task and k_max, at the costs the runtime measured over all rounds
+    curves = {f"k{k}": gen.costs.curve(k) for k in ks}
+    bounds = {name: {s: bound(prompts[name], plain[name], c)[0] for s, c in curves.items() if c} for name in TASKS}
+    return {"speeds": speeds, "stats": stats, "load": os.getloadavg(), "differ": differ, "bounds": bounds,
+            "costs": curves}
 
 
 def table(directory: Path, res: dict) -> list[str]:
@@ -114,6 +124,7 @@ def table(directory: Path, res: dict) -> list[str]:
     lines = [f"{directory}  (decode tok/s, median of rounds; load avg {res['load'][0]:.1f}/{res['load'][2]:.1f})"]
     settings = [s for s in next(iter(res["speeds"].values())) if s != "off"]
     ratios: dict[str, dict[str, list[float]]] = {s: {"grounded": [], "free": []} for s in settings}
+    bounds: dict[str, dict[str, list[float]]] = {s: {"grounded": [], "free": []} for s in settings}
     for name, (group, _) in TASKS.items():
         s = res["speeds"][name]
         cells = [f"plain {statistics.median(s['off']):.1f}"]
@@ -122,8 +133,10 @@ def table(directory: Path, res: dict) -> list[str]:
             r = statistics.median(per_round)
             ratios[setting][group].append(r)
             st = res["stats"][name].get(setting, {})
+            b = res["bounds"][name].get(setting, float("nan"))
+            bounds[setting][group].append(b)
             cells.append(f"{setting} {statistics.median(s[setting]):.1f} {r:.2f}x ({min(per_round):.2f}-"
-                         f"{max(per_round):.2f}) {st.get('accepted')}/{st.get('drafted')}")
+                         f"{max(per_round):.2f}) {st.get('accepted')}/{st.get('drafted')} bound {b:.2f}x")
         lines.append(f"  {name:<10} {group:<9} " + " | ".join(cells))
     for name, at in res["differ"].items():
         lines.append(f"  {name}: TOKENS DIFFER from plain greedy from new token {at}")
@@ -132,7 +145,12 @@ def table(directory: Path, res: dict) -> list[str]:
     for setting, by_group in ratios.items():
         for group, rs in by_group.items():
             lines.append(f"  {setting} {group}: median ratio {statistics.median(rs):.2f}x "
-                         f"(tasks {', '.join(f'{r:.2f}' for r in rs)})")
+                         f"(tasks {', '.join(f'{r:.2f}' for r in rs)}); oracle bound median "
+                         f"{statistics.median(bounds[setting][group]):.2f}x")
+    for setting, curve in res["costs"].items():
+        if curve:
+            lines.append(f"  {setting} measured verification costs (plain steps) k=1,2,4,8,16: "
+                         + ", ".join(f"{curve[k]:.2f}" for k in (1, 2, 4, 8, 16) if k < len(curve)))
     return lines
 
 

@@ -1,0 +1,56 @@
+"""The most prompt lookup could gain on a case: how fast an oracle that knows the plain greedy tokens in advance
+would decode them, drafting with the very drafter the runtime uses (PromptLookup) and paying the verification
+costs the runtime measured (`Costs.curve`, in plain steps). No policy that chooses k from the past can beat it,
+so `measured / bound` says how much of what speculation could win the runtime's `Adaptive` wins, and `bound`
+alone says what the drafter and the kernels allow (issue 26: SmolLM2-135M int4's grounded tasks).
+
+A dynamic program over the tokens: at each point (tokens[:i] emitted, the last one picked, not fed) the oracle
+takes a plain step (cost 1, one token) or verifies k drafts (cost curve[k], the accepted prefix + 1 tokens), k no
+larger than the runtime would allow (`speculative_tokens`: at most max_new - emitted - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from edgellm.runtime.drafting import PromptLookup
+
+
+def lookup_matches(prompt: Sequence[int], tokens: Sequence[int], k_max: int) -> list[tuple[int, int]]:
+    """[i] -> (drafts proposed, drafts that tokens[i:] accepts) with tokens[:i] emitted, i = 1..len - 1: one
+    PromptLookup fed as the runtime feeds it, asked for k_max drafts at every point."""
+    drafter = PromptLookup()
+    drafter.reset(list(prompt))
+    drafter.extend(tokens[:1])
+    out = [(0, 0)]  # i = 0: the prefill's token, never drafted for
+    for i in range(1, len(tokens)):
+        drafts = drafter.propose(min(k_max, len(tokens) - 1 - i))
+        n = 0
+        while n < len(drafts) and drafts[n] == tokens[i + n]:
+            n += 1
+        out.append((len(drafts), n))
+        drafter.extend(tokens[i:i + 1])
+    return out
+
+
+def bound(prompt: Sequence[int], tokens: Sequence[int], curve: Sequence[float]) -> tuple[float, int]:
+    """(the oracle's decode speed in plain steps per step of its own time, i.e. its ratio to plain decoding, and
+    its verifications) for `tokens` generated after `prompt`; curve[k]: a verification of k drafts in plain
+    steps (k = 0..k_max)."""
+    k_max = len(curve) - 1
+    matches = lookup_matches(prompt, tokens, k_max)
+    end = len(tokens)
+    cost = [0.0] + [float("inf")] * end   # cost[i]: the cheapest way to have emitted tokens[:i], from i = 1
+    how = [0] * (end + 1)                 # how[i]: verifications on that way
+    cost[0], cost[1] = float("inf"), 0.0
+    for i in range(1, end):
+        if cost[i] + 1.0 < cost[i + 1]:
+            cost[i + 1], how[i + 1] = cost[i] + 1.0, how[i]
+        proposed, accepted = matches[i]
+        for k in range(1, proposed + 1):  # k drafts of which min(k, accepted) pass, + the row after them
+            j = min(end, i + min(k, accepted) + 1)
+            c = cost[i] + curve[k]
+            if c < cost[j]:
+                cost[j], how[j] = c, how[i] + 1
+    steps = end - 1  # plain decoding: one step per token after the prefill's
+    return (steps / cost[end] if cost[end] > 0 else 1.0), how[end]
