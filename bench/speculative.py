@@ -8,8 +8,8 @@ Tasks (chat template, greedy, EOS ends a run): grounded ones hold TEXT (~330 tok
 ask to repeat, correct, extract from or edit it; free-form ones hold nothing to copy. Prints decode tok/s per
 task and mode (median over rounds), the speculative / plain ratio per task and the median ratio per group, and
 the machine's load average (the VM is shared), and per task the oracle bound (bench/speculative_bound.py: the
-ratio a policy knowing the tokens in advance would reach with the same drafter at the costs measured here) and
-the verification costs. `--draft-tokens 8 16` runs lookup once per k_max in each round
+ratio a policy knowing the tokens in advance would reach with the same drafter at verification costs measured
+here, at the task's context) and those costs. `--draft-tokens 8 16` runs lookup once per k_max in each round
 (the order rotating; a column each), to compare settings on the same tokens. `--json FILE` writes every
 measurement.
 """
@@ -23,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from speculative_bound import bound
+from speculative_bound import bound, measure_curve
 
 TEXT = (
     "The lighthouse on Marrow Point was built in 1871 from granite quarried eleven miles inland. Its lamp, "
@@ -111,9 +111,12 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
                                  min(len(got["off"]), len(tokens)))
                     differ.setdefault(f"{name} {setting}", first)
         print(f"  round {rnd}{' (warm-up)' if rnd == 0 else ''} done, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-    # the oracle's ratio per task and k_max, at the costs the runtime measured over all rounds
-    curves = {f"k{k}": gen.costs.curve(k) for k in ks}
-    bounds = {name: {s: bound(prompts[name], plain[name], c)[0] for s, c in curves.items() if c} for name in TASKS}
+    # the oracle's ratio per task and k_max, at verification costs measured after the task's prompt and half its
+    # plain output (the mean context of its decoding)
+    curves = {name: measure_curve(gen, prompts[name] + plain[name][:len(plain[name]) // 2], max(ks))
+              for name in TASKS}
+    bounds = {name: {f"k{k}": bound(prompts[name], plain[name], curves[name][:k + 1])[0] for k in ks}
+              for name in TASKS}
     return {"speeds": speeds, "stats": stats, "load": os.getloadavg(), "differ": differ, "bounds": bounds,
             "costs": curves}
 
@@ -147,10 +150,9 @@ def table(directory: Path, res: dict) -> list[str]:
             lines.append(f"  {setting} {group}: median ratio {statistics.median(rs):.2f}x "
                          f"(tasks {', '.join(f'{r:.2f}' for r in rs)}); oracle bound median "
                          f"{statistics.median(bounds[setting][group]):.2f}x")
-    for setting, curve in res["costs"].items():
-        if curve:
-            lines.append(f"  {setting} measured verification costs (plain steps) k=1,2,4,8,16: "
-                         + ", ".join(f"{curve[k]:.2f}" for k in (1, 2, 4, 8, 16) if k < len(curve)))
+    for name, curve in res["costs"].items():
+        lines.append(f"  {name}: a verification of k = 1, 2, 4, 8, 16 drafts costs "
+                     + ", ".join(f"{curve[k]:.2f}" for k in (1, 2, 4, 8, 16) if k < len(curve)) + " plain steps")
     return lines
 
 

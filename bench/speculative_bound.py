@@ -1,8 +1,9 @@
 """The most prompt lookup could gain on a case: how fast an oracle that knows the plain greedy tokens in advance
-would decode them, drafting with the very drafter the runtime uses (PromptLookup) and paying the verification
-costs the runtime measured (`Costs.curve`, in plain steps). No policy that chooses k from the past can beat it,
-so `measured / bound` says how much of what speculation could win the runtime's `Adaptive` wins, and `bound`
-alone says what the drafter and the kernels allow (issue 26: SmolLM2-135M int4's grounded tasks).
+would decode them, drafting with the very drafter the runtime uses (PromptLookup) and paying what verifications
+cost on this engine at the case's context (`measure_curve`: the engine's own calls, timed alternately with plain
+steps). No policy that chooses k from the past can beat it, so `measured / bound` says how much of what
+speculation could win the runtime's `Adaptive` wins, and `bound` alone says what the drafter and the kernels
+allow (issue 26: SmolLM2-135M int4's grounded tasks).
 
 A dynamic program over the tokens: at each point (tokens[:i] emitted, the last one picked, not fed) the oracle
 takes a plain step (cost 1, one token) or verifies k drafts (cost curve[k], the accepted prefix + 1 tokens), k no
@@ -11,7 +12,9 @@ larger than the runtime would allow (`speculative_tokens`: at most max_new - emi
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
+from time import perf_counter
 
 from edgellm.runtime.drafting import PromptLookup
 
@@ -54,3 +57,34 @@ def bound(prompt: Sequence[int], tokens: Sequence[int], curve: Sequence[float]) 
                 cost[j], how[j] = c, how[i] + 1
     steps = end - 1  # plain decoding: one step per token after the prefill's
     return (steps / cost[end] if cost[end] > 0 else 1.0), how[end]
+
+
+def measure_curve(gen, prompt: Sequence[int], k_max: int, calls: int = 7) -> list[float]:
+    """[k] -> a verification of k drafts (`Engine.few_columns` over k + 1 rows) in plain steps (`forward_columns`
+    of one token), k = 0..k_max, after `prompt`: medians of `calls` timings each, every verification timed right
+    after a plain step. The generator's context is reset afterwards. Drafting and the acceptance test are not
+    included (microseconds against milliseconds)."""
+    engine, cache = gen.engine, gen.cache
+    gen.reset()
+    engine.reserve_rows(k_max + 1)
+    engine.forward_columns(list(prompt))
+    base = cache.length
+    tokens = list(prompt[-(k_max + 1):])
+
+    def timed(call, ids) -> float:
+        start = perf_counter()
+        call(ids)
+        seconds = perf_counter() - start
+        cache.rewind(base)
+        return seconds
+
+    for k in range(1, k_max + 1):  # each variant's first Run pays one-time costs: not measured
+        timed(engine.few_columns, tokens[:k + 1])
+    steps, rows = [], {k: [] for k in range(1, k_max + 1)}
+    for _ in range(calls):
+        for k in rows:
+            steps.append(timed(engine.forward_columns, tokens[:1]))
+            rows[k].append(timed(engine.few_columns, tokens[:k + 1]))
+    step = statistics.median(steps)
+    gen.reset()
+    return [1.0] + [statistics.median(rows[k]) / step for k in range(1, k_max + 1)]

@@ -103,11 +103,6 @@ class Generator:
         return cls(directory, read_manifest(directory, verify=verify), config)
 
     @property
-    def costs(self) -> Costs | None:
-        """What verifications cost on this engine so far, in plain steps (`Costs.curve`); None when untimed."""
-        return self._costs
-
-    @property
     def has_tokenizer(self) -> bool:
         return self.manifest.tokenizer is not None
 

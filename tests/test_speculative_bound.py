@@ -1,6 +1,7 @@
 """bench/speculative_bound.py: the oracle's ratio (the best any choice of draft lengths could do with prompt lookup
 at given verification costs) on hand-checked cases, and never below what the runtime's own policy reaches on the
-same tokens at the same costs (an untimed Generator: costs 1 + 0.1 k, the tokens alone choose k)."""
+same tokens at the same costs (an untimed Generator: costs 1 + 0.1 k, the tokens alone choose k); the bench's
+cost measurement leaves the generator as it found it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from edgellm.runtime.sampling import SamplingParams, StopParams
 from tests.test_speculative import PROMPT, export
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from speculative_bound import bound, lookup_matches  # noqa: E402
+from speculative_bound import bound, lookup_matches, measure_curve  # noqa: E402
 
 LINEAR = [1.0 + 0.1 * k for k in range(17)]  # the untimed Adaptive's cost model, k_max 16
 
@@ -63,3 +64,9 @@ def test_the_runtime_policy_never_beats_the_bound(tmp_path: Path) -> None:
     policy = steps / (plain_steps + stats["verifications"] + 0.1 * stats["drafted"])
     ratio, _ = bound(PROMPT, tokens, LINEAR)
     assert policy > 1.0 and ratio >= policy - 1e-9
+    # the bench's costs: one value per k, measured on the engine and leaving the generator's context empty
+    curve = measure_curve(gen, PROMPT, 4, calls=2)
+    assert len(curve) == 5 and curve[0] == 1.0 and all(c > 0 for c in curve)
+    assert gen.cache.length == 0
+    again = gen.complete(PROMPT, SamplingParams(temperature=0), StopParams(40), ignore_eos=True, text=False)
+    assert again.token_ids == tokens  # the engine is left as it was
