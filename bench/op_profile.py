@@ -3,6 +3,10 @@ export's stack.onnx and head.onnx, or an onnxruntime-genai model.onnx) timed unp
 between the steps, then each graph under onnxruntime's profiler, per operator type, at a fixed context length.
 
     python bench/op_profile.py --step EXP/stack.onnx EXP/head.onnx --step GENAI/model.onnx [--context 100]
+                               [--rows S]
+
+`--rows S` feeds S tokens per call (edgellm graphs: a speculative verification of S - 1 drafts is one stack and
+head call at S rows): with --rows 1 beside it, where the extra rows' time goes.
 
 All sessions share one global thread pool (--threads), as `edgellm run` runs them. Inputs are synthesized from
 the graphs' declared inputs (one token, the cache lengths at --context, zero caches; genai's shared KV buffers
