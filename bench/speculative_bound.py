@@ -40,12 +40,13 @@ def bound(prompt: Sequence[int], tokens: Sequence[int], curve: Sequence[float]) 
     """(the oracle's decode speed in plain steps per step of its own time, i.e. its ratio to plain decoding, and
     its verifications) for `tokens` generated after `prompt`; curve[k]: a verification of k drafts in plain
     steps (k = 0..k_max)."""
-    k_max = len(curve) - 1
-    matches = lookup_matches(prompt, tokens, k_max)
     end = len(tokens)
-    cost = [0.0] + [float("inf")] * end   # cost[i]: the cheapest way to have emitted tokens[:i], from i = 1
-    how = [0] * (end + 1)                 # how[i]: verifications on that way
-    cost[0], cost[1] = float("inf"), 0.0
+    if end < 2:
+        return 1.0, 0  # nothing decoded after the prefill's token
+    matches = lookup_matches(prompt, tokens, len(curve) - 1)
+    cost = [float("inf")] * (end + 1)  # cost[i]: the cheapest way to have emitted tokens[:i]
+    how = [0] * (end + 1)              # how[i]: verifications on that way
+    cost[1] = 0.0                      # the prefill's token
     for i in range(1, end):
         if cost[i] + 1.0 < cost[i + 1]:
             cost[i + 1], how[i + 1] = cost[i] + 1.0, how[i]
@@ -55,8 +56,7 @@ def bound(prompt: Sequence[int], tokens: Sequence[int], curve: Sequence[float]) 
             c = cost[i] + curve[k]
             if c < cost[j]:
                 cost[j], how[j] = c, how[i] + 1
-    steps = end - 1  # plain decoding: one step per token after the prefill's
-    return (steps / cost[end] if cost[end] > 0 else 1.0), how[end]
+    return (end - 1) / cost[end], how[end]  # plain decoding: one step per token after the prefill's
 
 
 def measure_curve(gen, prompt: Sequence[int], k_max: int, calls: int = 7) -> list[float]:
@@ -69,7 +69,7 @@ def measure_curve(gen, prompt: Sequence[int], k_max: int, calls: int = 7) -> lis
     engine.reserve_rows(k_max + 1)
     engine.forward_columns(list(prompt))
     base = cache.length
-    tokens = list(prompt[-(k_max + 1):])
+    tokens = (list(prompt) * (k_max + 1))[-(k_max + 1):]  # k + 1 ids for any k, however short the prompt
 
     def timed(call, ids) -> float:
         start = perf_counter()

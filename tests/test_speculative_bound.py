@@ -38,8 +38,9 @@ def test_no_verification_when_none_pays() -> None:
     tokens = prompt[10:30]
     costly = [1.0] + [k + 1.5 for k in range(1, 17)]  # k drafts cost more than their k + 1 tokens
     assert bound(prompt, tokens, costly) == (1.0, 0)
-    # text that never repeats the context: nothing to draft, plain decoding
+    # text that never repeats the context: nothing to draft, plain decoding; nothing decoded: nothing to gain
     assert bound(prompt, list(range(200, 230)), LINEAR) == (1.0, 0)
+    assert bound(prompt, prompt[10:11], LINEAR) == bound(prompt, [], LINEAR) == (1.0, 0)
 
 
 def test_a_wrong_draft_is_never_verified() -> None:
@@ -67,6 +68,7 @@ def test_the_runtime_policy_never_beats_the_bound(tmp_path: Path) -> None:
     # the bench's costs: one value per k, measured on the engine and leaving the generator's context empty
     curve = measure_curve(gen, PROMPT, 4, calls=2)
     assert len(curve) == 5 and curve[0] == 1.0 and all(c > 0 for c in curve)
+    assert len(measure_curve(gen, PROMPT[:2], 4, calls=1)) == 5  # a prompt shorter than k + 1 rows
     assert gen.cache.length == 0
     again = gen.complete(PROMPT, SamplingParams(temperature=0), StopParams(40), ignore_eos=True, text=False)
     assert again.token_ids == tokens  # the engine is left as it was
