@@ -5,7 +5,9 @@ target model then checks in one forward over k + 1 rows.
   looked up among the earlier n-grams of the context, the longest match first; the tokens that followed its
   latest occurrence are the draft (copied on over themselves where the context ends in a loop). Text that
   quotes, corrects or extracts from its prompt repeats long runs of it, and those drafts are then accepted
-  whole. The index is a dict per n, updated as each token arrives: O(n) per token, O(1) per proposal.
+  whole. Where such a copy broke (the text changed a word or a comma), the suffix is first looked for a few
+  tokens on in the passage being copied, which is where the text mostly goes on. The index is a dict per n,
+  updated as each token arrives: O(n) per token; a proposal O(1) plus the window's few comparisons.
 - `DraftModel`: a smaller export with the same tokenizer, run greedily through its own Engine and cache;
   its cache is rewound (`KVCache.rewind`, the one cache rule) to the longest prefix the context still shares
   with what it was fed.
@@ -27,53 +29,90 @@ MAX_NGRAM = 6
 # a 1-token match (",", "the") drafts what followed its latest occurrence, mostly wrong in free text: each such
 # verification costs more than the token it wins (SmolLM2 chat tasks, bench/speculative.py)
 MIN_NGRAM = 2
+# after a break (the text inserts a comma, writes ", and" for "; ", drops a word) it mostly picks the copied passage
+# up again a few tokens on: the suffix, down to its last token, is looked for there first (`PromptLookup.resume`)
+# before anywhere else, where the latest occurrence of a short suffix (", the") is often another sentence's
+RESUME_WINDOW = 4
 
 
 class PromptLookup:
-    """n-gram lookup over the context so far (prompt + generated tokens)."""
+    """n-gram lookup over the context so far (prompt + generated tokens), resuming a copy where it broke."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, window: int = RESUME_WINDOW) -> None:
         need(1 <= min_ngram <= max_ngram, f"prompt lookup: expected 1 <= n-gram lengths, got {min_ngram}..{max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        need(window >= 0, f"prompt lookup: expected a resume window >= 0, got {window}")
+        self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
         self.tokens: list[int] = []
         # index[n-1]: the n tokens ending just before position p -> p (the latest such p): what followed them
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self.source: int | None = None  # where the copy in progress reads: tokens[source] is the one it expects next
 
     def reset(self, tokens: Sequence[int]) -> None:
         """Start over from this context."""
         self.tokens = []
         self.index = [{} for _ in range(self.max_ngram)]
+        self.source = None
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Append context tokens (in order), indexing the n-grams that end just before each."""
+        """Append context tokens (in order), indexing the n-grams that end just before each; a token the copy in
+        progress expected moves its source on."""
         ctx, index = self.tokens, self.index
         for t in tokens:
             p = len(ctx)
             for n in range(1, min(self.max_ngram, p) + 1):
                 index[n - 1][tuple(ctx[p - n:p])] = p
+            if self.source is not None and self.source < p and ctx[self.source] == t:
+                self.source += 1
             ctx.append(int(t))
 
     def propose(self, k: int) -> list[int]:
-        """k tokens that followed the latest earlier occurrence of the longest matching suffix ([] when no suffix
-        of min_ngram..max_ngram tokens occurred before; fewer when the continuation reaches the context's end).
-        Where the matched suffix spans a whole period (the distance between the two occurrences), the text is
-        a loop and the copy runs on over what it copies (LZ77's overlapping copy): "x A B A B" drafts "A B A B
-        ..." rather than stopping after "A B" (on a random-weight stories110M int4 export, whose greedy text
-        cycles: 3.7 drafted tokens per verification instead of 1.4, decode +20 %). Not where only part of a
-        period repeated ("A B x A B"): extending those too drafted more, and SmolLM2 int4's free-form tips
-        ran at 0.95x plain in that one run."""
+        """k tokens copied from where the context's suffix matches ([] when nothing matches; fewer when the copy
+        reaches the context's end). Where: first near the copy in progress (`resume`), else after the latest
+        earlier occurrence of the longest suffix of min_ngram..max_ngram tokens. Where the matched suffix spans a
+        whole period (the distance between the two occurrences), the text is a loop and the copy runs on over
+        what it copies (LZ77's overlapping copy): "x A B A B" drafts "A B A B ..." rather than stopping after
+        "A B" (on a random-weight stories110M int4 export, whose greedy text cycles: 3.7 drafted tokens per
+        verification instead of 1.4, decode +20 %). Not where only part of a period repeated ("A B x A B"):
+        extending those too drafted more, and SmolLM2 int4's free-form tips ran at 0.95x plain in that one run."""
+        found = self.resume() or self.latest()
+        if found is None:
+            return []
+        p, n = found
+        self.source = p
+        ctx = self.tokens
+        out = ctx[p:p + k]
+        period = len(ctx) - p  # >= 1: a suffix is indexed only once a token follows it
+        if n >= period:  # the last `period` tokens repeat the ones before them: a loop, copied on
+            while len(out) < k:
+                out.append(out[len(out) - period])
+        return out
+
+    def latest(self) -> tuple[int, int] | None:
+        """(p, n): the longest suffix of min_ngram..max_ngram tokens that occurred before, last followed by
+        tokens[p]; None when none did."""
         ctx = self.tokens
         for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
             p = self.index[n - 1].get(tuple(ctx[-n:]))
             if p is not None:
-                out = ctx[p:p + k]
-                period = len(ctx) - p  # >= 1: a suffix is indexed only once a token follows it
-                if n >= period:  # the last `period` tokens repeat the ones before them: a loop, copied on
-                    while len(out) < k:
-                        out.append(out[len(out) - period])
-                return out
-        return []
+                return p, n
+        return None
+
+    def resume(self) -> tuple[int, int] | None:
+        """(p, n): the longest suffix (down to one token) that also ends among the `window` + 1 tokens around
+        the copy in progress's source (from the token before it), nearest first, followed there by tokens[p];
+        None without a copy in progress or such a match. In sync this is the copy going on; after a break, the
+        place a few tokens on where the text picks the copied passage up again."""
+        if self.source is None or self.window == 0:
+            return None
+        ctx = self.tokens
+        for n in range(min(self.max_ngram, len(ctx) - 1), 0, -1):
+            suffix = ctx[-n:]
+            # an occurrence ending at e < len - n: before the suffix itself, so a token follows it
+            for e in range(max(self.source - 1, n - 1), min(self.source + self.window, len(ctx) - n)):
+                if ctx[e - n + 1:e + 1] == suffix:
+                    return e + 1, n
+        return None
 
 
 class DraftModel:

@@ -200,6 +200,37 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert short.propose(2) == [y, a]
 
 
+def test_prompt_lookup_resumes_a_broken_copy_where_the_text_picks_it_up() -> None:
+    """After a copy breaks (a comma inserted, a word dropped or changed), the suffix is looked for first a few
+    tokens on in the passage being copied: there a single token is enough, and it wins over a longer suffix's
+    latest occurrence elsewhere."""
+    first, second = [10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]
+    prompt = [99, 21, 50, 51] + first + second       # "99 21" once before, followed by "50 51"
+    d = PromptLookup()
+    d.reset(prompt)
+    d.extend([10, 11])
+    assert d.propose(3) == [12, 13, 14]               # copying the first sentence
+    d.extend([12, 13, 14])                            # accepted: the copy goes on in sync
+    assert d.propose(2) == [20, 21]
+    d.extend([99, 21])                                # the text wrote "99" for "20" and goes on with "21"
+    assert d.latest() == (2, 2)                       # the latest "99 21" would draft "50 51"
+    assert d.propose(3) == [22, 23, 24]               # resumed after "21" in the passage being copied
+    d.extend([22, 23, 77])                            # a changed word, then a plain step
+    d.extend([24])                                    # the passage goes on one token later
+    assert d.propose(2) == [25, 10]                   # ("25" ends the prompt: the generated text follows)
+    old = PromptLookup(window=0)                      # without resuming: only the latest occurrence of >= 2
+    old.reset(prompt + [10, 11, 12, 13, 14, 99, 21])
+    assert old.propose(3) == [50, 51, 10]
+    # an inserted token: nothing near the passage matches it, and the copy resumes once the text does
+    d.reset(prompt + [10, 11, 12, 13, 14, 98])
+    d.source = len(first) + 4                         # the copy in progress expects "20"
+    assert d.propose(2) == []                         # "14 98" and "98" occur nowhere
+    d.extend([20])
+    assert d.propose(2) == [21, 22]
+    with pytest.raises(EdgeError, match="resume window"):
+        PromptLookup(window=-1)
+
+
 def test_accept_greedy() -> None:
     rows = np.zeros((4, 10), np.float32)
     rows[0, 3] = rows[1, 5] = rows[2, 1] = rows[3, 8] = 1.0
