@@ -21,7 +21,8 @@ from edgellm.runtime.drafting import PromptLookup
 
 def lookup_matches(prompt: Sequence[int], tokens: Sequence[int], k_max: int) -> list[tuple[int, int]]:
     """[i] -> (drafts proposed, drafts that tokens[i:] accepts) with tokens[:i] emitted, i = 1..len - 1: one
-    PromptLookup fed as the runtime feeds it, asked for k_max drafts at every point."""
+    PromptLookup fed as the runtime feeds it, asked for k_max drafts at every point (so the copy it resumes
+    after a break is the last one proposed at any point, where the runtime's is the last one it drafted)."""
     drafter = PromptLookup()
     drafter.reset(list(prompt))
     drafter.extend(tokens[:1])

@@ -223,7 +223,7 @@ def test_prompt_lookup_resumes_a_broken_copy_where_the_text_picks_it_up() -> Non
     assert old.propose(3) == [50, 51, 10]
     # an inserted token: nothing near the passage matches it, and the copy resumes once the text does
     d.reset(prompt + [10, 11, 12, 13, 14, 98])
-    d.source = len(first) + 4                         # the copy in progress expects "20"
+    d.source = len(first) + 4                         # (reset forgets it) the copy in progress expects "20"
     assert d.propose(2) == []                         # "14 98" and "98" occur nowhere
     d.extend([20])
     assert d.propose(2) == [21, 22]
