@@ -69,6 +69,11 @@ def export_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
                           bos_id=manifest.bos_id, eos_id=manifest.eos_id)
 
 
+def export_sampling(directory: Path, manifest: Manifest) -> SamplingParams:
+    """The sampler defaults an export ships (manifest `sampler`), without opening any of its graphs."""
+    return SamplingParams.from_dict(manifest.sampler, f"{directory}/manifest.json: sampler")
+
+
 class Generator:
     """An opened export: its sessions, its static KV cache and (optionally) its tokenizer."""
 
@@ -83,7 +88,7 @@ class Generator:
         self.bos_id, self.eos_id = m.bos_id, m.eos_id
         self.add_bos = m.add_bos  # text prompts get bos_id in front (the checkpoint's rule)
         self.eos_ids = frozenset(m.eos_ids)  # any of them ends generation
-        self.default_sampling = SamplingParams.from_dict(m.sampler, f"{self.directory}/manifest.json: sampler")
+        self.default_sampling = export_sampling(self.directory, m)
         # the ids in the cache, rows [0, cache.length): the repetition penalty's history, never copied per step
         self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)

@@ -166,7 +166,7 @@ def _params(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from edgellm.runtime.errors import need
-    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.generator import Generator, export_sampling
     from edgellm.runtime.manifest import read_manifest
     from edgellm.runtime.sampling import SamplingParams
     from edgellm.runtime.session import SessionConfig
@@ -189,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
     need(args.speculative != "draft" or args.draft is not None, "--speculative draft: needs --draft DIR")
     need(args.draft is None or args.speculative == "draft", "--draft: needs --speculative draft")
     manifest = read_manifest(args.directory, verify=args.verify)
-    defaults = SamplingParams.from_dict(manifest.sampler, f"{args.directory}/manifest.json: sampler")
-    sampling = SamplingParams(**{**defaults.to_dict(), **given})  # checked by generate, before the first token
+    # the export's defaults under the flags given; checked by generate, before the first token
+    sampling = SamplingParams(**{**export_sampling(args.directory, manifest).to_dict(), **given})
     config = dataclasses.replace(config, exact=exact_decode(args.exact_decode, sampling.temperature))
     gen = Generator(args.directory, manifest, config)
     note_no_lone_stack(manifest, args.exact_decode, args.directory)
