@@ -9,8 +9,8 @@ ask to repeat, correct, extract from or edit it; free-form ones hold nothing to 
 task and mode (median over rounds), the speculative / plain ratio per task and the median ratio per group, and
 the machine's load average (the VM is shared), and per task the oracle bound (bench/speculative_bound.py: the
 ratio a policy knowing the tokens in advance would reach with the same drafter at verification costs measured
-here, at the task's context) and those costs. `--draft-tokens 8 16` runs lookup once per k_max in each round
-(the order rotating; a column each), to compare settings on the same tokens. `--json FILE` writes every
+here, at the task's context) and those costs. `--draft-tokens 16 32` runs lookup once per k_max in each round
+(the order rotating; a column each, each with cost estimates of its own), to compare settings on the same tokens. `--json FILE` writes every
 measurement.
 """
 
@@ -71,12 +71,16 @@ TASKS = {
 }
 
 
-def run_case(gen, ids: list[int], mode: str, new_tokens: int,
-             draft_tokens: int | None = None) -> tuple[float, list[int], dict | None]:
+def run_case(gen, ids: list[int], mode: str, new_tokens: int, draft_tokens: int | None = None,
+             costs=None) -> tuple[float, list[int], dict | None]:
+    """One greedy generation; `costs`: the speculation.Costs this setting keeps across its runs (a process has one
+    k_max, so settings compared in one process must not share cost estimates), None: the Generator's."""
     from edgellm.runtime.sampling import SamplingParams, StopParams
     from edgellm.runtime.speculative import DRAFT_TOKENS
 
     gen.speculate(mode, draft_tokens=draft_tokens or DRAFT_TOKENS)
+    if costs is not None:
+        gen._costs = costs
     r = gen.complete(ids, SamplingParams(temperature=0), StopParams(new_tokens), text=False)
     return r.timings.decode_tok_s, r.token_ids, r.speculative
 
@@ -84,10 +88,12 @@ def run_case(gen, ids: list[int], mode: str, new_tokens: int,
 def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[int]) -> dict:
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
+    from edgellm.runtime.speculative import Costs
 
     gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True))
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
     settings = ["off", *(f"k{k}" for k in ks)]  # plain, then lookup at each k_max
+    costs = {s: Costs() for s in settings[1:]}  # each k_max its own estimates, as in a process of its own
     speeds: dict[str, dict[str, list[float]]] = {t: {s: [] for s in settings} for t in TASKS}
     stats: dict[str, dict[str, dict]] = {t: {} for t in TASKS}
     differ: dict[str, int] = {}  # task -> first new token where a speculative run and plain greedy differ
@@ -98,7 +104,7 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
             got = {}
             for setting in settings[shift:] + settings[:shift]:
                 mode, k = ("off", None) if setting == "off" else ("lookup", int(setting[1:]))
-                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens, k)
+                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens, k, costs.get(setting))
                 got[setting] = tokens
                 if rnd:
                     speeds[name][setting].append(tok_s)

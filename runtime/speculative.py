@@ -17,7 +17,8 @@ Acceptance (row i of the verification = the target's logits after the last token
 
 `Adaptive` keeps speculation from costing time: the chance a draft token is accepted and the measured cost of a
 verification, drafting included (relative to a plain step; `Costs`, kept by the Generator across generations),
-pick the fewest drafts within 5 % of the best expected tokens per unit of time (NEAR_BEST); when even the best is
+pick the fewest drafts within 5 % of the best expected tokens per unit of time (NEAR_BEST; past FREE_DRAFTS only
+as many as the copy in progress has run since its last break); when even the best is
 below a plain step, drafting pauses (8 steps, doubling up to 32 while probes keep failing: text that starts free
 and then quotes its prompt gets back to drafting within a few dozen tokens). The chance is accepted tokens /
 (accepted tokens + breaks), decayed per verification: a draft accepted whole ends in no break, so its length says
@@ -41,14 +42,21 @@ MODES = ("off", "lookup", "draft")
 DECAY = 0.7
 # default k_max. Where a draft row is cheap the longest drafts pay: SmolLM2-135M fp32 (17 rows ~1.8 plain steps),
 # 16 vs 8 in one process, alternating, same tokens: repeat / correct / extract / code edit 1.01 / 1.36 / 1.03 / 1.10x,
-# tips 1.01x; int4 (a row ~0.3 steps) 0.99-1.02x, as Adaptive drafts less there (NEAR_BEST)
-DRAFT_TOKENS = 16
+# tips 1.01x; int4 (a row ~0.3 steps) 0.99-1.02x, as Adaptive drafts less there (NEAR_BEST). 32 (past FREE_DRAFTS
+# only as earned, below) vs 16, one process, each with its own Costs (2026-11-26 night): fp32 text copied whole
+# (correct) 1.09 / 1.11x, the other grounded tasks 0.98-1.03x, free-form 0.98-1.02x; int4 grounded 0.94-1.10x
+DRAFT_TOKENS = 32
 # Adaptive drafts the fewest tokens whose expected gain is within 5 % of the best k's. The gain model takes each draft
 # token's chance as independent, but copied text breaks at a paraphrase, not at a rate: where the gain curve is flat
 # near its top (costly rows: int4) the longer drafts win little in the model and lose rows in fact (SmolLM2 int4,
 # k_max 16, the best k vs this: repeat 0.92x of k_max 8 vs 0.99x); where rows are cheap (fp32) the curve is steep
 # and this still picks the longest
 NEAR_BEST = 0.95
+# drafts longer than this are earned: at most the tokens accepted since the last break, so text copied whole gets
+# long drafts once a copy has run that far, and text that breaks every few tokens keeps k_max 16's choices. Without
+# it k_max 32 drafted SmolLM2 int4's paraphrased copies in more, shorter-accepted verifications (0.83-0.96x of k_max
+# 16; fp32 correct 1.17-1.57x); each k the adaptive tries is also one more noisy cost estimate (Costs)
+FREE_DRAFTS = 16
 
 
 def accept_greedy(drafts: Sequence[int], rows: np.ndarray,
@@ -146,6 +154,7 @@ class Adaptive:
         self.k_max, self.measured, self.base_pause, self.max_pause = k_max, costs, pause, max_pause
         self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
         self.pause, self.wait = pause, 0
+        self.streak = 0  # tokens accepted since the last break (FREE_DRAFTS)
         self.probe = False  # the first step after a pause drafts, whatever the estimates say (budget)
 
     @property
@@ -170,7 +179,8 @@ class Adaptive:
             self.wait -= 1
             return 0
         costs = self.costs()  # once per step, not once per k
-        gains = [self.gain(k, costs) for k in range(1, self.k_max + 1)]
+        top_k = min(self.k_max, max(FREE_DRAFTS, self.streak))
+        gains = [self.gain(k, costs) for k in range(1, top_k + 1)]
         top = max(gains)
         floor = min(top, max(NEAR_BEST * top, 1.0))  # never a k that loses to a plain step when one wins
         best = next(k for k, g in enumerate(gains, 1) if g >= floor)
@@ -194,6 +204,7 @@ class Adaptive:
     def verified(self, k: int, accepted: int, seconds: float) -> None:
         self.hits = DECAY * self.hits + accepted
         self.breaks = DECAY * self.breaks + (accepted < k)
+        self.streak = self.streak + accepted if accepted == k else 0
         if self.measured is not None:
             self.measured.verification(k, seconds)
         if accepted > 0:
