@@ -151,8 +151,6 @@ def test_adaptive_drafts_the_fewest_tokens_near_the_best_gain() -> None:
     assert adaptive(1.05, 1.8, hits=20.0, breaks=0.01).budget() >= 15  # fp32-like rows, drafts accepted whole
 
 
-
-
 def test_drafts_past_free_drafts_are_earned_by_whole_accepts() -> None:
     """Up to FREE_DRAFTS the gain decides; past it a draft is at most the tokens accepted since the last break,
     so text copied whole reaches k_max and text that breaks every few tokens stays at k_max 16's choices."""
@@ -171,6 +169,24 @@ def test_drafts_past_free_drafts_are_earned_by_whole_accepts() -> None:
     assert a.streak == 0 and a.budget() <= FREE_DRAFTS
     a.verified(10, 10, 0.015)
     assert a.budget() <= FREE_DRAFTS  # 10 since the break: not yet past 16
+
+
+def test_a_pause_ends_in_a_real_probe_even_when_the_costs_say_no() -> None:
+    """Estimates change only through verifications: after a pause the adaptive drafts once whatever the costs
+    say, so costs measured high once (a busy machine) cannot switch speculation off for good; a failed probe
+    doubles the next pause."""
+    costs = Costs()
+    a = Adaptive(k_max=8, costs=costs)
+    a.timed_step(0.010)
+    for _ in range(2):  # (the first verification at a k is a warm-up, not a measurement)
+        for k in (1, 8):  # each draft row costs 2 plain steps: no accept rate pays for that
+            a.verified(k, k, 0.010 * (1 + 2 * k))
+    assert max(a.gain(k) for k in range(1, 9)) < 1.0
+    assert a.budget() == 0 and a.wait == 8  # a pause
+    assert [a.budget() for _ in range(8)] == [0] * 8
+    assert a.budget() == 1  # the probe: the cheapest k, though its estimated gain is < 1
+    a.verified(1, 0, 0.030)
+    assert [a.budget() for _ in range(17)] == [0] * 17 and a.budget() == 1  # failed: a pause twice as long
 
 
 def first_token_counts(logits: np.ndarray, params: SamplingParams, draft_of, n: int, seed: int) -> np.ndarray:
