@@ -10,8 +10,8 @@ task and mode (median over rounds), the speculative / plain ratio per task and t
 the machine's load average (the VM is shared), and per task the oracle bound (bench/speculative_bound.py: the
 ratio a policy knowing the tokens in advance would reach with the same drafter at verification costs measured
 here, at the task's context) and those costs. `--draft-tokens 16 32` runs lookup once per k_max in each round
-(the order rotating; a column each, each with cost estimates of its own), to compare settings on the same tokens. `--json FILE` writes every
-measurement.
+(the order rotating; a column each, each with cost estimates of its own), to compare settings on the same
+tokens. `--json FILE` writes every measurement.
 """
 
 from __future__ import annotations
