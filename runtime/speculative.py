@@ -12,8 +12,12 @@ Acceptance (row i of the verification = the target's logits after the last token
 - sampling: speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023) against p = softmax of
   `sampling.filtered` (the very distribution `sample` draws from, repetition penalty included with the drafts
   as history): accept d with probability min(1, p(d) / q(d)), else draw from norm(max(0, p - q)). The drafters
-  here are deterministic (q a point mass on d): accept with probability p(d), else draw from p without d.
-  Either way every emitted token is distributed exactly as plain sampling's.
+  here are deterministic (q a point mass on d), and for a point mass that rule is "draw x from p; accept d iff
+  x = d, else emit x" (accepted with probability p(d); a rejection emits p without d). Drawn by `sample` itself,
+  one uniform per emitted token in order, as plain sampling draws them: every emitted token is plain sampling's
+  token for the same seed (bit for bit where the rows are, `Engine.exact_rows`; the lone-row stack of sampled runs
+  is not, so its text drifts from plain sampling's, in distribution the same), whatever k was. A drafter with a
+  distribution q (none ships) takes the general rule: the same distribution, not the same tokens.
 
 `Adaptive` keeps speculation from costing time: the chance a draft token is accepted and the measured cost of a
 verification, drafting included (relative to a plain step; `Costs`, kept by the Generator across generations),
@@ -33,7 +37,7 @@ from time import perf_counter
 
 import numpy as np
 
-from .sampling import SamplingParams, apply_repetition_penalty, argmax_checked, filtered, softmax
+from .sampling import SamplingParams, apply_repetition_penalty, argmax_checked, filtered, sample, softmax
 
 MODES = ("off", "lookup", "draft")
 # Adaptive's estimate's memory: a verification's weight falls to 0.7^n n verifications later. Measured against the EMA of
@@ -87,21 +91,24 @@ def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingPara
                    history: np.ndarray, q: np.ndarray | None = None) -> tuple[int, int]:
     """Speculative rejection sampling: (drafts accepted, the token after them). `history`: the ids before the
     verification's first row (the repetition penalty's), `q` [k, V]: the drafter's distributions, None for a
-    deterministic drafter (a point mass on each draft)."""
+    deterministic drafter (a point mass on each draft: each row's token is drawn by `sample` as plain sampling
+    draws it, one uniform of `rng` per emitted token, and a draft is accepted iff it is that token)."""
     penalise = params.repetition_penalty != 1.0
     for i, d in enumerate(drafts):
         seen = np.concatenate([history, np.asarray(drafts[:i], np.int64)]) if penalise else history
-        p = target_probs(rows[i], params, seen)
         if q is None:
-            if rng.random() < p[d]:
+            x = sample(rows[i], params, rng, seen)
+            if x == d:
                 continue
-            p[d] = 0.0  # the residual max(0, p - q) of a point mass
-            return i, draw(p, rng)
+            return i, x
+        p = target_probs(rows[i], params, seen)
         if rng.random() * q[i, d] < p[d]:   # u < p(d) / q(d), without dividing by a zero q
             continue
         r = np.maximum(p - q[i], 0.0)
         return i, draw(r if r.sum() > 0 else p, rng)
     seen = np.concatenate([history, np.asarray(drafts, np.int64)]) if penalise else history
+    if q is None:
+        return len(drafts), sample(rows[len(drafts)], params, rng, seen)
     return len(drafts), draw(target_probs(rows[len(drafts)], params, seen), rng)
 
 
@@ -149,8 +156,8 @@ class Adaptive:
     """How many tokens to draft next (0: a plain step), from the drafts' accept rate and the measured costs."""
 
     def __init__(self, k_max: int, costs: Costs | None = None, pause: int = 8, max_pause: int = 32) -> None:
-        """`costs` None: untimed, costs from the fixed model 1 + 0.1 k only, so k (and with sampling, the random
-        draws each k consumes) depends on the tokens alone: a seed reproduces the text."""
+        """`costs` None: untimed, costs from the fixed model 1 + 0.1 k only, so k depends on the tokens alone (the
+        same verifications on any machine and load). The text does not depend on k (greedy, point-mass sampling)."""
         self.k_max, self.measured, self.base_pause, self.max_pause = k_max, costs, pause, max_pause
         self.hits, self.breaks = 0.7, 0.3  # accepted drafts and rejections, decayed by DECAY per verification
         self.pause, self.wait = pause, 0
@@ -265,7 +272,9 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
     may stop at any yield (close()): the cache is then rewound to that token's `valid`. `sampling` None:
     greedy acceptance."""
     engine, cache, history = gen.engine, gen.cache, gen._history
-    adaptive = Adaptive(k_max, gen._costs if sampling is None else None)  # sampling: a seed reproduces the text
+    # sampling: untimed, the tokens alone choose k (measured costs did not pay there: SmolLM2 int4, T 0.7, one
+    # process, timed / untimed grounded 0.87-1.05x, free-form 0.99-1.00x); the text does not depend on k either way
+    adaptive = Adaptive(k_max, gen._costs if sampling is None else None)
     drafter.reset(history[:cache.length].tolist())
     valid = cache.length
     emitted = 0

@@ -1,6 +1,7 @@
 """Speculative decoding (runtime/speculative.py, drafting.py): greedy output equal to plain greedy decoding token
 for token on every preset and layout (layer graphs rows / inplace with the paired stack + head, one model graph),
-with drafts actually accepted; the draft-export drafter; off on ring caches; same-seed reproducibility; the CLI's
+with drafts actually accepted; the draft-export drafter; off on ring caches; sampled speculation giving plain
+sampling's tokens for a seed; the CLI's
 flags; costs kept across mode switches. The drafter and the acceptance rules alone: tests/test_speculative_policy.py."""
 
 from __future__ import annotations
@@ -163,12 +164,24 @@ def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
         gen.speculate("draft")
 
 
-def test_sampling_speculation_is_reproducible(llama: Path) -> None:
+def test_sampled_speculation_gives_plain_samplings_tokens(llama: Path) -> None:
+    """For point-mass drafts, rejection sampling draws each row's token as plain sampling does (one uniform per
+    emitted token) and accepts a draft iff it is that token: on the exact stack the text is plain sampling's for
+    the seed whatever k was (drafts of up to 2 or 32), repetition penalty and filters included. A low temperature
+    keeps the tiny model's text looping, so drafts are accepted and rejected."""
     gen = Generator.open(llama)
-    gen.speculate("lookup")
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1)
-    runs = [gen.complete(PROMPT, params, StopParams(NEW, seed=11), ignore_eos=True, text=False) for _ in range(2)]
-    assert runs[0].token_ids == runs[1].token_ids and runs[0].speculative["drafted"] > 0
+    params = SamplingParams(temperature=0.05, top_k=20, top_p=0.9, repetition_penalty=1.02)
+    for seed in (11, 12):
+        gen.speculate("off")
+        plain = gen.complete(PROMPT, params, StopParams(NEW, seed=seed), ignore_eos=True, text=False).token_ids
+        work = set()
+        for k_max in (2, 32):
+            gen.speculate("lookup", draft_tokens=k_max)
+            got = gen.complete(PROMPT, params, StopParams(NEW, seed=seed), ignore_eos=True, text=False)
+            assert got.token_ids == plain
+            assert 0 < got.speculative["accepted"] < got.speculative["drafted"]
+            work.add((got.speculative["drafted"], got.speculative["verifications"]))
+        assert len(work) == 2  # other drafts and verifications, the same text
 
 
 def test_cli_flags(llama: Path, capsys) -> None:
