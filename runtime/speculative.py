@@ -63,15 +63,21 @@ NEAR_BEST = 0.95
 FREE_DRAFTS = 16
 
 
-def accept_greedy(drafts: Sequence[int], rows: np.ndarray,
-                  token: Callable[[np.ndarray], int] = argmax_checked) -> tuple[int, int]:
-    """(drafts accepted, the token after them) for verification logits rows [len(drafts) + 1, V]; `token`: a
-    row's greedy id (`Columns.token` for rows in a head's column order)."""
+def accept_tokens(drafts: Sequence[int], token_at: Callable[[int], int]) -> tuple[int, int]:
+    """(drafts accepted, the token after them): row i's token is `token_at(i)`, the one plain decoding picks there,
+    and a draft is accepted iff it is that token. The one rule for greedy and for point-mass sampling."""
     for i, d in enumerate(drafts):
-        t = token(rows[i])
+        t = token_at(i)
         if t != d:
             return i, t
-    return len(drafts), token(rows[len(drafts)])
+    return len(drafts), token_at(len(drafts))
+
+
+def accept_greedy(drafts: Sequence[int], rows: np.ndarray,
+                  token: Callable[[np.ndarray], int] = argmax_checked) -> tuple[int, int]:
+    """`accept_tokens` for verification logits rows [len(drafts) + 1, V]; `token`: a row's greedy id
+    (`Columns.token` for rows in a head's column order)."""
+    return accept_tokens(drafts, lambda i: token(rows[i]))
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -91,25 +97,21 @@ def accept_sampled(drafts: Sequence[int], rows: np.ndarray, params: SamplingPara
                    history: np.ndarray, q: np.ndarray | None = None) -> tuple[int, int]:
     """Speculative rejection sampling: (drafts accepted, the token after them). `history`: the ids before the
     verification's first row (the repetition penalty's), `q` [k, V]: the drafter's distributions, None for a
-    deterministic drafter (a point mass on each draft: each row's token is drawn by `sample` as plain sampling
-    draws it, one uniform of `rng` per emitted token, and a draft is accepted iff it is that token)."""
-    penalise = params.repetition_penalty != 1.0
+    deterministic drafter (a point mass on each draft: `accept_tokens` with each row's token drawn by `sample` as
+    plain sampling draws it, one uniform of `rng` per emitted token)."""
+    def seen(i: int) -> np.ndarray:  # the repetition penalty's ids before row i
+        penalise = params.repetition_penalty != 1.0
+        return np.concatenate([history, np.asarray(drafts[:i], np.int64)]) if penalise else history
+
+    if q is None:
+        return accept_tokens(drafts, lambda i: sample(rows[i], params, rng, seen(i)))
     for i, d in enumerate(drafts):
-        seen = np.concatenate([history, np.asarray(drafts[:i], np.int64)]) if penalise else history
-        if q is None:
-            x = sample(rows[i], params, rng, seen)
-            if x == d:
-                continue
-            return i, x
-        p = target_probs(rows[i], params, seen)
+        p = target_probs(rows[i], params, seen(i))
         if rng.random() * q[i, d] < p[d]:   # u < p(d) / q(d), without dividing by a zero q
             continue
         r = np.maximum(p - q[i], 0.0)
         return i, draw(r if r.sum() > 0 else p, rng)
-    seen = np.concatenate([history, np.asarray(drafts, np.int64)]) if penalise else history
-    if q is None:
-        return len(drafts), sample(rows[len(drafts)], params, rng, seen)
-    return len(drafts), draw(target_probs(rows[len(drafts)], params, seen), rng)
+    return len(drafts), draw(target_probs(rows[len(drafts)], params, seen(len(drafts))), rng)
 
 
 class Costs:
