@@ -73,22 +73,22 @@ TASKS = {
 
 def run_case(gen, ids: list[int], mode: str, new_tokens: int, draft_tokens: int | None = None,
              costs=None) -> tuple[float, list[int], dict | None]:
-    """One greedy generation; `costs`: the speculation.Costs this setting keeps across its runs (a process has one
+    """One greedy generation; `costs`: the draft_length.Costs this setting keeps across its runs (a process has one
     k_max, so settings compared in one process must not share cost estimates), None: the Generator's."""
+    from edgellm.runtime.draft_length import DRAFT_TOKENS
     from edgellm.runtime.sampling import SamplingParams, StopParams
-    from edgellm.runtime.speculative import DRAFT_TOKENS
 
     gen.speculate(mode, draft_tokens=draft_tokens or DRAFT_TOKENS)
     if costs is not None:
-        gen._costs = costs
+        gen.costs = costs
     r = gen.complete(ids, SamplingParams(temperature=0), StopParams(new_tokens), text=False)
     return r.timings.decode_tok_s, r.token_ids, r.speculative
 
 
 def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[int]) -> dict:
+    from edgellm.runtime.draft_length import Costs
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
-    from edgellm.runtime.speculative import Costs
 
     gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True))
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
@@ -172,7 +172,7 @@ def main() -> None:
                     help="lookup's k_max, one setting per K (default: the runtime's DRAFT_TOKENS)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    from edgellm.runtime.speculative import DRAFT_TOKENS
+    from edgellm.runtime.draft_length import DRAFT_TOKENS
 
     ks = args.draft_tokens or [DRAFT_TOKENS]
     results = {}

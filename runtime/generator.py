@@ -47,6 +47,7 @@ from time import perf_counter
 import numpy as np
 
 from .chat import ChatTemplate
+from .draft_length import DRAFT_TOKENS, Costs
 from .drafting import PromptLookup
 from .engine import Engine
 from .errors import need
@@ -56,7 +57,7 @@ from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
 from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
-from .speculative import DRAFT_TOKENS, Costs, Stats, configure, speculation_off, speculative_tokens
+from .speculative import Stats, configure, speculation_off, speculative_tokens
 from .stats import make_timings, peak_rss_mb
 from .stopping import StopMatcher
 from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
@@ -93,7 +94,9 @@ class Generator:
         self._history = np.zeros(m.max_seq, np.int64)
         self._carry: list[int] = []     # the last picked token, not yet fed (kept for keep_context)
         self.speculative, self.draft_tokens, self._draft = "off", DRAFT_TOKENS, None  # see speculate()
-        self._costs = Costs()  # verification costs measured on this engine, kept across generations
+        # the verification costs measured on this engine (draft_length.Costs), kept across generations; None when
+        # `speculate(timed=False)`. A benchmark comparing settings in one process gives each its own
+        self.costs: Costs | None = Costs()
 
     @classmethod
     def open(cls, directory: str | Path, threads: int | None = None, *, config: SessionConfig | None = None,

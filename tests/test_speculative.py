@@ -229,16 +229,16 @@ def test_verification_costs_outlive_a_mode_switch(llama: Path, tmp_path: Path) -
 
     gen = Generator.open(llama)
     gen.speculate("lookup")
-    costs = gen._costs
+    costs = gen.costs
     gen.complete(PROMPT, GREEDY, StopParams(NEW), ignore_eos=True, text=False)
     assert costs is not None and costs.step_s is not None
     gen.speculate("off")
     gen.speculate("lookup")
-    assert gen._costs is costs
+    assert gen.costs is costs
     with pytest.raises(EdgeError):
         gen.speculate("draft", draft=tmp_path / "missing")
-    assert (gen.speculative, gen._costs) == ("lookup", costs)
+    assert (gen.speculative, gen.costs) == ("lookup", costs)
     gen.speculate("draft", draft=llama)
-    assert gen._costs is not costs and gen._costs.step_s is None
+    assert gen.costs is not costs and gen.costs.step_s is None
     gen.speculate("lookup", timed=False)
-    assert gen._costs is None
+    assert gen.costs is None

@@ -8,18 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgellm.runtime.draft_length import DECAY, FREE_DRAFTS, NEAR_BEST, Adaptive, Costs
 from edgellm.runtime.drafting import PromptLookup
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.sampling import SamplingParams, filtered, softmax
-from edgellm.runtime.speculative import (
-    DECAY,
-    FREE_DRAFTS,
-    NEAR_BEST,
-    Adaptive,
-    Costs,
-    accept_greedy,
-    accept_sampled,
-)
+from edgellm.runtime.speculative import accept_greedy, accept_sampled
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:

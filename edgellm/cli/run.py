@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> None:
-    from edgellm.runtime.speculative import DRAFT_TOKENS
+    from edgellm.runtime.draft_length import DRAFT_TOKENS
 
     p.add_argument("--speculative", choices=("auto", "off", "lookup", "draft"), default=default,
                    help="speculative decoding, faster where the answer repeats its context: lookup drafts from the "
