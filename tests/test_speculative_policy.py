@@ -1,4 +1,4 @@
-"""Speculative decoding without a model (runtime/drafting.py, runtime/speculative.py): what prompt lookup drafts
+"""Speculative decoding without a model (runtime/drafting.py, draft_length.py, speculative.py): what prompt lookup drafts
 (the latest match, loops, resuming a broken copy), greedy acceptance, the adaptive's accept rate, costs, draft
 lengths and pauses, and rejection sampling that keeps the sampling distribution (a statistical test on fixed
 distributions and seeds). Through exports: tests/test_speculative.py."""
