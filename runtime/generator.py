@@ -14,14 +14,10 @@ that process as `edgellm run` starts itself, with glibc asked for transparent hu
 (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, or `edgellm.cli.hugepages.environment_with_huge_pages(os.environ)` as
 a child's environment): SmolLM2-135M fp32 decode 47-50 -> 58-59 tok/s, int4 +7-14 % (docs/benchmarks.md).
 
-Prompts: text is tokenized and, when the context starts empty, BOS (the manifest's `bos_id`) is put in front
-if the checkpoint's tokenizer puts one there (manifest `tokenizer.add_bos`, export/bos_rule.py: Llama yes,
-Qwen no), so the ids are `transformers`' `tokenizer(text).input_ids`; a list of token ids is used exactly as
-given (no BOS added) and needs no tokenizer. A prompt longer
-than the context is an error unless `truncate=True`, which keeps the last
-`max_seq - min(max_new_tokens, max_seq // 2)` tokens (room for the answer, but never less than half the
-context) and, if the prompt began with BOS, keeps that BOS in front. `chat(messages)` renders a conversation
-with the export's chat template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
+Prompts (runtime/prompts.py): text is tokenized, with BOS in front when the context starts empty and the
+checkpoint's tokenizer puts one there (transformers' ids); token ids are used as given; a prompt longer than the
+context is an error unless `truncate=True`. `chat(messages)` renders a conversation with the export's chat
+template (runtime/chat.py) and reuses the cached prefix it shares with the last one.
 
 Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculative.py) changes how the tokens
 are computed, not which: greedy picks plain decoding's tokens (bit for bit on exports whose verification rows are
@@ -55,6 +51,7 @@ from .events import Result, TokenEvent
 from .fileio import safe_join
 from .kvcache import KVCache
 from .manifest import Manifest, read_manifest
+from .prompts import prompt_ids, shared_prefix, truncated
 from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
 from .speculative import Stats, configure, speculation_off, speculative_tokens
@@ -152,20 +149,8 @@ class Generator:
     def encode(self, prompt: str | Sequence[int], fresh: bool = True) -> list[int]:
         """Token ids for a prompt: text is tokenized (BOS in front when `fresh` and the export's rule adds one),
         ids are checked and used as given."""
-        if isinstance(prompt, str):
-            need(prompt != "", "prompt: expected a non-empty prompt")
-            need(self.has_tokenizer, f"prompt: {self.directory} has no tokenizer; pass token ids (`prompt_ids`)")
-            ids = self.tokenizer.encode(prompt)
-            bos = [self.bos_id] if fresh and self.add_bos else []
-            ids = bos + ids
-            need(len(ids) > 0, "prompt: the prompt encodes to no tokens")
-            return ids
-        ids = [int(i) for i in prompt]
-        need(len(ids) > 0, "prompt_ids: expected at least one token id")
-        v = self.manifest.vocab_size
-        bad = [i for i in ids if not 0 <= i < v]
-        need(not bad, f"prompt_ids: token ids must be in [0, {v}), got {bad[:5]}")
-        return ids
+        bos = [self.bos_id] if fresh and self.add_bos else []
+        return prompt_ids(prompt, lambda: self.tokenizer, bos, self.manifest.vocab_size, str(self.directory))
 
     @property
     def context_tokens(self) -> int:
@@ -180,17 +165,6 @@ class Generator:
         """Forget the context (the buffers stay allocated)."""
         self.cache.reset()
         self._carry.clear()
-
-    def _truncate(self, ids: list[int], truncate: bool, max_new: int) -> list[int]:
-        limit = self.cache.max_seq
-        if len(ids) <= limit:
-            return ids
-        need(truncate, f"prompt: {len(ids)} tokens do not fit the context of {limit} (max_seq of the "
-                       "export); shorten it or pass `truncate` to keep its last tokens")
-        keep = limit - min(max_new, limit // 2)
-        if self.bos_id is not None and ids[0] == self.bos_id:
-            return [ids[0]] + ids[len(ids) - keep + 1:]
-        return ids[len(ids) - keep:]
 
     # --------------------------------------------------------------------------------------- generation
 
@@ -214,7 +188,7 @@ class Generator:
         else:
             self.reset()
             ids = self.encode(prompt, fresh=True)
-        feed = self._truncate(self._carry + ids, truncate, stop.max_new_tokens)
+        feed = truncated(self._carry + ids, self.cache.max_seq, truncate, stop.max_new_tokens, self.bos_id)
         self._carry = []
         return self._run(feed, sampling, stop, ignore_eos, start, text)
 
@@ -231,10 +205,7 @@ class Generator:
         need(0 < len(ids) <= self.cache.max_seq,
              f"chat: the conversation is {len(ids)} tokens, the context holds {self.cache.max_seq} (max_seq of "
              "the export): drop earlier turns")
-        cached = self._history[:self.cache.length]
-        n = min(len(ids) - 1, len(cached))  # feed at least one token: its logits pick the first new one
-        same = np.flatnonzero(cached[:n] != np.asarray(ids[:n], np.int64))
-        keep = int(same[0]) if len(same) else n
+        keep = shared_prefix(self._history[:self.cache.length], ids)
         keep = keep if self.cache.can_rewind(keep) else 0  # ring caches (sliding layers) cannot go back
         self.cache.rewind(keep)
         self._carry = []
