@@ -1,7 +1,7 @@
-"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4) and their greedy outputs on this machine
-(int4 also through its lone-row stack, `--exact-decode off`).
+"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4, and fp32 with an fp16 KV cache: kv16) and
+their greedy outputs on this machine (int4 also through its lone-row stack, `--exact-decode off`).
 
-    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4}, WORK/host/<name>.json
+    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,kv16}, WORK/host/<name>.json
     python bench/arm64_host.py shim WORK REPO   # WORK/shim/edgellm: import edgellm.* from the source tree
     python bench/arm64_host.py compare WORK     # WORK/host/*.json vs WORK/arm/*.json; exit 1 on a mismatch
 
@@ -62,13 +62,15 @@ def prepare(work: Path) -> None:
     fp32 = exports / "fp32"
     export_model(model, fp32, ExportOptions(max_seq=128, prefill_chunk=16), work / "tokenizer.json",
                  progress=False, log=lambda _: None)
+    export_model(model, exports / "kv16", ExportOptions(max_seq=128, prefill_chunk=16, kv_dtype="float16"),
+                 work / "tokenizer.json", progress=False, log=lambda _: None)
     # int4 with the MSE clip search: round-to-nearest collapses this scaled-up toy model's greedy output to one
     # repeated token, which would make the comparison weak
     for bits, method in (("8", "rtn"), ("4", "mse")):
         subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / f"int{bits}"),
                         "--bits", bits, "--method", method, "--no-progress", "--no-check"], check=True,
                        stdout=subprocess.DEVNULL)
-    names = ["fp32", "int8", "int4", "int4" + LONE]
+    names = ["fp32", "int8", "int4", "int4" + LONE, "kv16"]
     for name in names:
         lone = name.endswith(LONE)
         out = subprocess.run([sys.executable, "-m", "edgellm", "run", str(exports / name.removesuffix(LONE)),

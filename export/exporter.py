@@ -94,7 +94,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     model.set_context_len(options.max_seq)
     spare = spare_rows(options.kv_layout, FORMAT_VERSION)  # fused attention's extra cache row (graphio.py)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,
-                            spare)
+                            spare, options.kv_dtype)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
@@ -148,11 +148,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification=verification, kv_head_dim=kv_head_dim,
-        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None)
+        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype)
     release_memory()
     e2e = check_end_to_end(parts, partial, manifest, options.seed)
-    need(e2e <= options.atol, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
-                              f"> --atol {options.atol:g} (chunked prefill + decode, the runtime's Engine)")
+    need(e2e <= options.tolerance, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
+                                   f"> --atol {options.tolerance:g} (chunked prefill + decode, the runtime's Engine)")
     manifest = replace(manifest, verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
         release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left

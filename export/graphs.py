@@ -189,6 +189,8 @@ def example_inputs(inputs: tuple[TensorSpec, ...], dims: Dims, gen: torch.Genera
             out[spec.name] = torch.tensor([past_len + inputs[0].shape[1] - 1], dtype=torch.int32)
         elif spec.name == "total_len":
             out[spec.name] = torch.tensor(past_len + inputs[0].shape[1], dtype=torch.int32)
+        elif spec.dtype == "float16":  # an fp16 cache (kv_dtype): values it can hold, so the reference reads them
+            out[spec.name] = torch.randn(spec.shape, generator=gen).half().float()
         else:
             out[spec.name] = torch.randn(spec.shape, generator=gen)
     return out

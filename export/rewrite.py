@@ -9,7 +9,9 @@ import onnx
 from edgellm.runtime.errors import need
 from edgellm.runtime.manifest import TensorSpec
 
-_DTYPES = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64, "int32": onnx.TensorProto.INT32}
+# TensorSpec dtype -> ONNX element type (float16: an fp16 cache, manifest kv_dtype)
+ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "int64": onnx.TensorProto.INT64,
+              "int32": onnx.TensorProto.INT32}
 
 
 def rsqrt_to_div(graph: onnx.GraphProto) -> int:
@@ -76,5 +78,5 @@ def check_io(model: onnx.ModelProto, inputs: tuple[TensorSpec, ...], outputs: tu
             t = v.type.tensor_type
             got_specs.append((v.name, tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim),
                               t.elem_type))
-        want_specs = [(s.name, tuple(s.shape), _DTYPES[s.dtype]) for s in want]
+        want_specs = [(s.name, tuple(s.shape), ONNX_TYPES[s.dtype]) for s in want]
         need(got_specs == want_specs, f"{where}: graph {side} {got_specs} differ from the contract {want_specs}")

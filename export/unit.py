@@ -118,8 +118,8 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
         feeds = example_inputs(inputs, dims, gen, past_len)
         diff = verify_graph(directory / file, unit.reference, feeds, [o.name for o in outputs],
                             in_place=dims.kv_layout == "inplace" and unit.role == "layer")
-        need(diff <= options.atol, f"{name}: onnxruntime differs from PyTorch by {diff:.3g} > --atol "
-                                   f"{options.atol:g} (seeded inputs, past_len={past_len})")
+        need(diff <= options.tolerance, f"{name}: onnxruntime differs from PyTorch by {diff:.3g} > --atol "
+                                        f"{options.tolerance:g} (seeded inputs, past_len={past_len})")
         verification[name] = diff
         done(name)
     files = [file for _, file, _, _ in graphs] + sorted(data.used)

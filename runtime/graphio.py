@@ -41,6 +41,7 @@ class Dims:
     embed_positions: bool = False
     rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq + spare for every layer
     spare: int = 0  # SPARE_ROWS for "inplace" exports of format 10+, else 0
+    kv_dtype: str = "float32"  # of the cache tensors (past_* / present_*): KV_DTYPES, float16 since format 14
 
     def layer_rows(self, layer: int) -> int:
         """Rows of `layer`'s cache: max_seq (+ the spare row of fused attention), or fewer for a sliding-window
@@ -53,6 +54,9 @@ class Dims:
         return tuple(self.layer_rows(i) for i in range(self.n_layers))
 
 
+# the cache's element type (manifest `kv_dtype`, format 14): fp16 halves the cache's bytes; only the fused layers
+# (kv_layout "inplace") write one, casting GroupQueryAttention's inputs to it (export/fused.py)
+KV_DTYPES = ("float32", "float16")
 KVLayout = Literal["rows", "inplace"]  # manifest `kv_layout` (docs/design.md, "The KV cache")
 KV_LAYOUTS: tuple[KVLayout, ...] = get_args(KVLayout)
 POS_EMBEDDINGS = ("rope", "learned", "sinusoidal")  # config.pos_embedding; absent (formats 1-7): "rope"
@@ -88,7 +92,7 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0) -> tu
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
-                     prefill_chunk: int = 1, spare: int = 0) -> Dims:
+                     prefill_chunk: int = 1, spare: int = 0, kv_dtype: str = "float32") -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -96,6 +100,9 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", k
     [k_0 .. k_{hd-1}, 0 .. 0]. It sizes the cache and the graph I/O; nothing is inferred from names."""
     need(isinstance(config, dict), "config: expected an object")
     need(kv_layout in KV_LAYOUTS, f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    need(kv_dtype in KV_DTYPES, f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r:.40}")
+    need(kv_dtype == "float32" or kv_layout == "inplace",
+         f"kv_dtype: a {kv_dtype} cache is written by the fused layers only (kv_layout 'inplace'), got {kv_layout!r}")
 
     def size(key: str) -> int:
         need(key in config, f"config: missing key {key!r}")
@@ -112,7 +119,7 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", k
     need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
     rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
-                head_dim, pos != "rope", rows, spare)
+                head_dim, pos != "rope", rows, spare, kv_dtype)
 
 
 def graph_paths(role: str, seq: int, layer: int | None = None) -> tuple[str, str, str]:
@@ -148,8 +155,8 @@ def graph_io(role: str, seq: int, layer: int | None, dims: Dims) -> tuple[tuple[
     layers = [layer] if role == "layer" else list(range(d.n_layers))
     first_in = f32("hidden", 1, s, d.dim) if role == "layer" else i64("tokens", 1, s)
     first_out = f32("logits", 1, s, d.vocab_size) if role == "model" else f32("hidden_out", 1, s, d.dim)
-    past = [f32(f"past_{kv}.{i}", 1, d.n_kv_heads, d.layer_rows(i), d.head_dim) for i in layers
-            for kv in ("key", "value")]
+    past = [TensorSpec(f"past_{kv}.{i}", (1, d.n_kv_heads, d.layer_rows(i), d.head_dim), d.kv_dtype)
+            for i in layers for kv in ("key", "value")]
     need(role not in STACK_ROLES or d.kv_layout == "inplace", "stack graphs exist for kv_layout 'inplace' only")
     if d.kv_layout == "inplace":  # GroupQueryAttention's lengths; present_* = the whole cache, written in place
         need(role != "model", "kv_layout 'inplace' exists for layer graphs only (granularity 'layer')")

@@ -33,6 +33,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      files): the stack without the spare attention row (edgellm/layout/lone.py), which sampled runs open for
      8-27 % faster decode (`SessionConfig.exact = False`); greedy runs keep the stack. Written with every stack
      of an export with the spare row; a quantize of a 10-12 export writes 13.
+ 14  `kv_dtype` "float32" | "float16" (graphio.KV_DTYPES): the cache tensors' element type, past_* / present_* of
+     every graph and the buffers `KVCache` allocates. fp16 is written by the fused layers only (kv_layout
+     "inplace": GroupQueryAttention's inputs cast to it, its output back to fp32, export/fused.py); 8-13 read
+     as "float32".
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -56,12 +60,13 @@ from .manifest_checks import ROLES_BY_GRANULARITY, check_graphs, check_tokenizer
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 13
-READS = (8, 9, 10, 11, 12, 13)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 14
+READS = (8, 9, 10, 11, 12, 13, 14)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 COLUMNS_SINCE = 12  # the first format with `logit_columns`
 LONE_SINCE = 13  # the first format with a "stack_lone" graph
+KV_DTYPE_SINCE = 14  # the first format with `kv_dtype`
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -107,6 +112,7 @@ class Manifest:
     kv_head_dim: int | None = None               # cache row width if heads are zero-padded (format 7), else null
     kv_cache_rows: tuple[int, ...] | None = None  # each layer's cache rows when some are rings (format 8), else null
     logit_columns: str | None = None             # the head's column -> token id file (format 12), else null
+    kv_dtype: str = "float32"                    # the cache's element type (format 14; graphio.KV_DTYPES)
     format_version: int = FORMAT_VERSION  # what the graphs were written as (< 10: no spare cache row)
 
     def __post_init__(self) -> None:
@@ -116,7 +122,7 @@ class Manifest:
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
         return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk,
-                                spare_rows(self.kv_layout, self.format_version))
+                                spare_rows(self.kv_layout, self.format_version), self.kv_dtype)
 
     @property
     def n_layers(self) -> int:
@@ -182,6 +188,9 @@ class Manifest:
              f"graphs: stack_lone needs format_version {LONE_SINCE}, this manifest says {self.format_version}")
         need(not self.has_lone_stack or self.has_stack,
              "graphs: a stack_lone graph needs the stack graph it leaves a row out of")
+        need(self.kv_dtype == "float32" or self.format_version >= KV_DTYPE_SINCE,
+             f"kv_dtype: {self.kv_dtype!r:.40} needs format_version {KV_DTYPE_SINCE}, this manifest says "
+             f"{self.format_version}")
         need(self.logit_columns is None or self.granularity == "layer",
              "logit_columns: only a head graph (granularity 'layer') computes its logits in another order")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None
@@ -216,6 +225,8 @@ class Manifest:
         fields = asdict(self)  # in design.md order
         if self.format_version < COLUMNS_SINCE:  # (None: validate) an older format's keys are exact
             del fields["logit_columns"]
+        if self.format_version < KV_DTYPE_SINCE:  # ("float32": validate)
+            del fields["kv_dtype"]
         doc = {"format": FORMAT, "format_version": fields.pop("format_version"), **fields}
         try:
             text = json.dumps(doc, indent=2, allow_nan=False)
@@ -281,6 +292,7 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "eos_id": "integer?", "eos_ids": "array", "sampler": "object", "quantization": "object?", "export_options": "object",
         "verification": "object", "kv_head_dim": "integer?", "kv_cache_rows": "array?"}
 _TOP_12 = {**_TOP, "logit_columns": "string?"}
+_TOP_14 = {**_TOP_12, "kv_dtype": "string"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
@@ -308,7 +320,7 @@ def _parse(doc: object) -> Manifest:
     if version == 8 and isinstance(doc.get("graphs"), list):
         need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
              "graphs: a paired head needs format_version 9, this manifest says 8")
-    d = checked(doc, _TOP_12 if version >= COLUMNS_SINCE else _TOP, "")
+    d = checked(doc, _TOP_14 if version >= KV_DTYPE_SINCE else _TOP_12 if version >= COLUMNS_SINCE else _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k != "format"}

@@ -77,3 +77,15 @@ def engine_greedy(directory: Path, prompt: list[int], steps: int) -> tuple[np.nd
         generated.append(int(rows[-1].argmax()))
         rows.append(engine.forward(generated[-1:]).copy())
     return np.stack(rows), generated, engine.cache
+
+
+def greedy_steps(engine, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Plain greedy decoding through `engine`, one S = 1 step per token: (the n tokens fed, their steps' logits
+    [n, V]); the cache is then rewound to the prompt, ready to feed the same tokens as verifications."""
+    logits, fed, steps = engine.forward(prompt).copy(), [], []
+    for _ in range(n):
+        fed.append(int(logits.argmax()))
+        logits = engine.forward(fed[-1:]).copy()
+        steps.append(logits)
+    engine.cache.rewind(len(prompt))
+    return fed, np.stack(steps)

@@ -75,7 +75,7 @@ def test_round_trip(tmp_path: Path, granularity: str, chunk: int, layout: str) -
     got = read_manifest(tmp_path)
     assert got == written
     assert got.to_json() == text
-    assert json.loads(text)["format_version"] == FORMAT_VERSION == 13
+    assert json.loads(text)["format_version"] == FORMAT_VERSION == 14
     assert json.loads(text)["kv_layout"] == got.kv_layout == layout
     rows = 16 + (SPARE_ROWS if layout == "inplace" else 0)
     assert f'"shape": [1, 2, {rows}, 4]' in text  # shapes on one line
@@ -169,8 +169,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=14, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 14 is not supported \(this edgellm reads 8-13; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=15, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 15 is not supported \(this edgellm reads 8-14; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -206,7 +206,11 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: d.pop("logit_columns"), r"missing key\(s\) \['logit_columns'\]"),
     (lambda d: d.update(logit_columns="cols.i32"), "logit_columns: 'cols.i32' is not listed in files"),
     (lambda d: d.update(logit_columns=3), "logit_columns: expected string or null, got integer"),
-    (lambda d: d.update(format_version=11), r"unknown key\(s\) \['logit_columns'\]"),   # a 12 key in an 11
+    (lambda d: (d.update(format_version=11), d.pop("kv_dtype")), r"unknown key\(s\) \['logit_columns'\]"),  # 12's
+    (lambda d: d.update(format_version=13), r"unknown key\(s\) \['kv_dtype'\]"),   # a 14 key in a 13
+    (lambda d: d.pop("kv_dtype"), r"missing key\(s\) \['kv_dtype'\]"),
+    (lambda d: d.update(kv_dtype="int8"), "kv_dtype: expected one of float32, float16, got 'int8'"),
+    (lambda d: d.update(kv_dtype="float16"), r"kv_dtype: a float16 cache is written by the fused layers only"),
 ])
 def test_malformed_manifest_names_the_key(tmp_path: Path, change, match: str) -> None:
     make_export(tmp_path)

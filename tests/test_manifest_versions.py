@@ -22,7 +22,7 @@ def test_older_formats_get_one_re_export_line(tmp_path: Path, version: int) -> N
     make_export(tmp_path)
     edit(tmp_path, lambda d: (d.update(format_version=version), d.pop("kv_head_dim"), d.pop("eos_ids")))
     rejects(tmp_path, rf"^{re.escape(str(tmp_path / MANIFEST))}: format {version} was written by an older "
-                      r"edgellm; re-export with this version \(reads 8-13\)$")
+                      r"edgellm; re-export with this version \(reads 8-14\)$")
 
 
 def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -> None:
@@ -31,7 +31,7 @@ def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -
     assert main(["run", str(tmp_path), "--prompt-ids", "1"]) == 2
     err = capsys.readouterr().err
     assert err == (f"edgellm run: error: {tmp_path / MANIFEST}: format 7 was written by an older edgellm; "
-                   "re-export with this version (reads 8-13)\n")
+                   "re-export with this version (reads 8-14)\n")
 
 
 def test_add_bos_round_trips(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_kv_cache_rows_size_the_sliding_layers(tmp_path: Path) -> None:
 def test_format_8_reads_without_a_paired_head(tmp_path: Path) -> None:
     """Format 8 (the previous one) reads as it was written; a paired head (head.onnx) came with format 9."""
     written = make_export(tmp_path)
-    edit(tmp_path, lambda d: (d.update(format_version=8), d.pop("logit_columns")))  # a key of format 12
+    edit(tmp_path, lambda d: (d.update(format_version=8), d.pop("logit_columns"), d.pop("kv_dtype")))  # 12's, 14's
     assert read_manifest(tmp_path) == dataclasses.replace(written, format_version=8)
     edit(tmp_path, lambda d: [g.update(paired=True) for g in d["graphs"] if g["role"] == "head"])
     rejects(tmp_path, "graphs: a paired head needs format_version 9, this manifest says 8")

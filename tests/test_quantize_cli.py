@@ -388,6 +388,7 @@ def test_a_split_head_needs_an_export_of_format_10_or_later(tmp_path, capsys) ->
                  progress=False, log=lambda _: None)
     doc = json.loads((src / "manifest.json").read_text())
     assert doc.pop("logit_columns") is None and doc["kv_layout"] == "rows"   # rows: no spare row in any format
+    assert doc.pop("kv_dtype") == "float32"  # (format 14's key)
     (src / "manifest.json").write_text(json.dumps({**doc, "format_version": 9}))
     code, _, err = cli([src, "-o", tmp_path / "q", "--bits", "4", "--calibration-tokens", "64"], capsys)
     assert code == 2 and err.count("\n") == 1, err

@@ -16,7 +16,7 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams
-from tests.export_helpers import tiny_model
+from tests.export_helpers import greedy_steps, tiny_model
 
 OPTIONS = dict(max_seq=96, prefill_chunk=8)
 PRESETS = ["llama2", "from-scratch", "stellarbyte", "minicpm4", "qwen2", "qwen3", "mistral", "nanogpt", "gemma3"]
@@ -90,14 +90,9 @@ def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: P
            "fp32-tied": tied, "int4-split-head": lambda: split(llama),
            "int4-split-tied": lambda: split(tied())}[case]()
     engine = Engine.open(out, read_manifest(out))
-    logits, fed, steps = engine.forward(PROMPT).copy(), [], []
-    for _ in range(24):  # plain greedy decoding, one S = 1 step per token
-        fed.append(int(logits.argmax()))
-        logits = engine.forward(fed[-1:]).copy()
-        steps.append(logits)
-    engine.cache.rewind(len(PROMPT))
+    fed, steps = greedy_steps(engine, PROMPT, 24)
     rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
-    assert engine.any_rows and np.array_equal(rows, np.stack(steps))
+    assert engine.any_rows and np.array_equal(rows, steps)
 
 
 def test_verifications_of_any_size_share_one_logits_buffer(llama: Path) -> None:
@@ -107,12 +102,7 @@ def test_verifications_of_any_size_share_one_logits_buffer(llama: Path) -> None:
     from edgellm.runtime.manifest import read_manifest
 
     engine = Engine.open(llama, read_manifest(llama))
-    logits, fed, steps = engine.forward(PROMPT).copy(), [], []
-    for _ in range(18):
-        fed.append(int(logits.argmax()))
-        logits = engine.forward(fed[-1:]).copy()
-        steps.append(logits)
-    engine.cache.rewind(len(PROMPT))
+    fed, steps = greedy_steps(engine, PROMPT, 18)
     engine.reserve_rows(4)
     rows, at = [], 0
     for n in (3, 2, 4, 3, 6):
@@ -122,7 +112,7 @@ def test_verifications_of_any_size_share_one_logits_buffer(llama: Path) -> None:
             assert engine._few_logits.shape[1] == 4
             assert all(np.shares_memory(v.logits, engine._few_logits) for v in engine._few.values())
     assert set(engine._few) == {6} and engine._few_logits.shape[1] == 6  # grown once, the old variants dropped
-    assert np.array_equal(np.concatenate(rows), np.stack(steps))
+    assert np.array_equal(np.concatenate(rows), steps)
 
 
 def test_turns_ending_in_eos_leave_plain_decodings_context(tmp_path_factory) -> None:

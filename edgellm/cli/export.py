@@ -32,9 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "standard: plain ONNX ops only, for toolchains without com.microsoft ops "
                              "(granularity model is always standard). Fused layers take any head size: "
                              "one that is no multiple of 8 is zero-padded to the next (manifest kv_head_dim)")
+    parser.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
+                        help="the KV cache's element type: float16 halves its bytes (fused layers, full attention "
+                             "only; default float32)")
     parser.add_argument("--atol", type=number, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
-                             "max(1, max |PyTorch|) (default 1e-4)")
+                             "max(1, max |PyTorch|) (default 1e-4; with --kv-dtype float16 at least 4e-3)")
     parser.add_argument("--opset", type=integer, default=20, help="ONNX opset, 18..21 (default 20)")
     parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                         help="the chat template to ship for `edgellm run --chat`: a Jinja file or a "
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     # the flags are checked before the (possibly slow) load; the model's own limits after it
     max_seq = args.max_seq if args.max_seq is not None else DEFAULT_MAX_SEQ
     options = ExportOptions(max_seq=max_seq, prefill_chunk=args.prefill_chunk, granularity=args.granularity,
-                            attention=args.attention, atol=args.atol, opset=args.opset)
+                            attention=args.attention, atol=args.atol, opset=args.opset, kv_dtype=args.kv_dtype)
     options.validate()
     # lazy: the weights stay in the checkpoint file and each unit reads its own, so a model larger than
     # memory as float32 still exports (peak ~ the largest unit plus the runtime check, not the whole model)

@@ -56,7 +56,7 @@ def describe_export(path: Path) -> None:
     print(f"format: {FORMAT} {version} (written by edgellm {m.edgellm_version})")
     print(f"preset: {m.preset}  (dim {m.dim}, {m.n_layers} layers, {m.config.get('n_heads')}/{m.n_kv_heads} heads, "
           f"head_dim {m.model_head_dim}, vocab {m.vocab_size})")
-    print(f"layout: granularity {m.granularity}, kv_layout {m.kv_layout}, max_seq {m.max_seq}, "
+    print(f"layout: granularity {m.granularity}, kv_layout {m.kv_layout}, kv_dtype {m.kv_dtype}, max_seq {m.max_seq}, "
           f"prefill_chunk {m.prefill_chunk}, opset {m.opset}")
     attention = m.export_options.get("attention_impl")  # recorded by export since issue 21
     if isinstance(attention, str):
@@ -64,13 +64,14 @@ def describe_export(path: Path) -> None:
     print(f"precision: {_precision(m)}")
     print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
     rows = [m.dims.layer_rows(i) for i in range(m.n_layers)]
-    kv = 2 * sum(rows) * m.n_kv_heads * m.head_dim * 4
+    width = 2 if m.kv_dtype == "float16" else 4  # bytes per cached value
+    kv = 2 * sum(rows) * m.n_kv_heads * m.head_dim * width
     rings = sum(r < m.max_seq for r in rows)
     print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
-          f"KV cache {kv / 1e6:.2f} MB (fp32, allocated once"
+          f"KV cache {kv / 1e6:.2f} MB ({'fp16' if width == 2 else 'fp32'}, allocated once"
           + (f"; heads zero-padded to {m.head_dim}" if m.head_dim != m.model_head_dim else "")
           + (f"; {rings} sliding-window layers keep rings of {min(rows)} rows, "
-             f"{kv / (2 * m.n_layers * m.max_seq * m.n_kv_heads * m.head_dim * 4):.0%} of full-length caches"
+             f"{kv / (2 * m.n_layers * m.max_seq * m.n_kv_heads * m.head_dim * width):.0%} of full-length caches"
              if rings else "") + ")")
     tok = m.tokenizer
     chat = f"; chat template {tok['chat_template']} (run --chat)" if tok and tok["chat_template"] else ""

@@ -40,6 +40,10 @@ STACK_FILE = "stack.onnx"
 LONE_FILE = "stack_lone.onnx"  # the stack without the spare attention row (lone.py)
 HEAD_FILE = "head.onnx"
 STACK_TOLERANCE = 1e-4  # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
+# with an fp16 cache (manifest kv_dtype) a last-bit difference in q, k or v (onnxruntime fuses the stack's nodes
+# across layer boundaries, the layer graphs' not) moves a cached row by an fp16 step, 2^-11 relative, which the
+# layers after it carry to the logits: SmolLM2-135M-Instruct 5.0e-4 relative
+STACK_TOLERANCE_FP16 = 4e-3
 LONE_DECODE_BOUND = 0.1  # lone-row vs stack decode logits, relative (SmolLM2 int4: 0.023; the prefill check is exact)
 
 
@@ -143,6 +147,11 @@ def _through_engine(directory: Path, manifest: Manifest, config: SessionConfig, 
     return engine, rows, steps
 
 
+def stack_tolerance(manifest: Manifest) -> float:
+    """How far a stack's logits may be from its layer graphs' (and a lone stack's prefill from the stack's)."""
+    return STACK_TOLERANCE if manifest.kv_dtype == "float32" else STACK_TOLERANCE_FP16
+
+
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
     """Max relative |stack - layers| of the runtime Engine's logits, refused above STACK_TOLERANCE; the same
     tokens fed both ways: all but `decode_steps` as a prompt (prefill variant), the rest one by one (decode
@@ -157,8 +166,9 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
         runs.append(np.concatenate([rows, steps]))
         del engine
     diff = _relative(*runs)
-    need(diff <= STACK_TOLERANCE, f"{directory}: the stack graph's logits differ from its layer graphs' by "
-                                  f"{diff:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
+    bound = stack_tolerance(manifest)
+    need(diff <= bound, f"{directory}: the stack graph's logits differ from its layer graphs' by {diff:.3g} "
+                        f"(relative; expected <= {bound:g})")
     return diff
 
 
@@ -179,8 +189,9 @@ def check_lone(directory: Path, manifest: Manifest, tokens: Sequence[int], decod
         del engine
     (ref_rows, ref_steps), (rows, steps) = runs
     prefill = _relative(rows, ref_rows)
-    need(prefill <= STACK_TOLERANCE, f"{directory}: the lone-row stack's prefill logits differ from the stack's by "
-                                     f"{prefill:.3g} (relative; expected <= {STACK_TOLERANCE:g})")
+    bound = stack_tolerance(manifest)
+    need(prefill <= bound, f"{directory}: the lone-row stack's prefill logits differ from the stack's by "
+                           f"{prefill:.3g} (relative; expected <= {bound:g})")
     diff = _relative(steps, ref_steps)
     need(diff <= LONE_DECODE_BOUND, f"{directory}: the lone-row stack's decode logits differ from the stack's by "
                                     f"{diff:.3g} (relative; expected <= {LONE_DECODE_BOUND:g})")
