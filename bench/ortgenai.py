@@ -66,11 +66,15 @@ def _timed(cmd: list[str], log: Path) -> None:
     print(f"  {' '.join(cmd[:2])} {Path(cmd[2]).name}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int) -> Path:
+def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str = "float32") -> Path:
+    """`edgellm export` (+ `quantize`) with the defaults a user gets; `kv_dtype` float16: `--kv-dtype float16`
+    (the directories then end in -kv16, apart from the default's)."""
+    if kv_dtype != "float32":
+        out = out.with_name(out.name + "-kv16")
     fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
     rebuilt = rebuild_if_stale(fp32, lambda: _timed(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
-                                                     str(max_seq), "--prefill-chunk", "64", "--no-progress"],
-                                                    fp32.with_suffix(".log")))
+                                                     str(max_seq), "--prefill-chunk", "64", "--kv-dtype", kv_dtype,
+                                                     "--no-progress"], fp32.with_suffix(".log")))
     if precision == "fp32":
         return fp32
     bits = {"int8": "8", "int4": "4"}[precision]
@@ -181,6 +185,8 @@ def main() -> None:
                         "speed drifts over minutes); prints the median of the per-round ratios")
     p.add_argument("--llamacpp", action="store_true", help="llama.cpp (f32 / Q8_0 / Q4_0) in the rotation too")
     p.add_argument("--lone", action="store_true", help="edgellm through its lone-row stack in the rotation too")
+    p.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
+                   help="edgellm's export with this KV cache type (`edgellm export --kv-dtype`)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
@@ -200,7 +206,8 @@ def main() -> None:
                  args.root / f"make_{name}.log")
         genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
                             args.max_seq)
-        export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq)
+        export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq,
+                               args.kv_dtype)
         gguf = build_gguf(hf, args.root, name, args.precision) if args.llamacpp else None
         systems = ["ort-genai", "edgellm"] + (["edgellm-lone"] if args.lone else []) + (["llama.cpp"] if gguf else [])
         ratios: dict[tuple[str, str, int], list[float]] = {}
