@@ -174,6 +174,23 @@ def test_sampled_speculation_gives_plain_samplings_tokens(llama: Path) -> None:
         assert len(work) == 2  # other drafts and verifications, the same text
 
 
+def test_sampled_speculation_reads_a_split_heads_columns(llama: Path, tmp_path: Path) -> None:
+    """A head quantized by rows gives its logits in column order (runtime/columns.py): sampled acceptance reorders
+    each row it reads, and the text is still plain sampling's for the seed."""
+    from tests.quant_helpers import quantize
+
+    out = quantize(llama, tmp_path / "split", bits=4, method="rtn", lm_head="int8", head_int8_rows=0.3,
+                   calibration_tokens=64)
+    gen = Generator.open(out)
+    assert not gen.engine.columns.identity
+    params = SamplingParams(temperature=0.05, top_k=20, top_p=0.9)
+    gen.speculate("off")
+    plain = gen.complete(PROMPT, params, StopParams(NEW, seed=5), ignore_eos=True, text=False).token_ids
+    gen.speculate("lookup", timed=False)
+    got = gen.complete(PROMPT, params, StopParams(NEW, seed=5), ignore_eos=True, text=False)
+    assert got.token_ids == plain and got.speculative["accepted"] > 0
+
+
 def test_cli_flags(llama: Path, capsys) -> None:
     from edgellm.cli import main
 
