@@ -115,9 +115,8 @@ class Engine:
     def open(cls, directory: Path, manifest: Manifest, config: SessionConfig | None = None) -> Engine:
         """An Engine with an empty cache of its own (`engine.cache`) and its own clock: for the host-side
         callers (diff, quantize's checks, export's end-to-end check); the Generator passes its own."""
-        m = manifest
-        cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, np.dtype(m.kv_dtype), m.dims.all_rows)
-        return cls(directory, m, cache, config if config is not None else SessionConfig(), RunClock())
+        return cls(directory, manifest, KVCache.for_dims(manifest.dims),
+                   config if config is not None else SessionConfig(), RunClock())
 
     # ----------------------------------------------------------------------------------------- building
 

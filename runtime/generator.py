@@ -80,7 +80,7 @@ class Generator:
         self._tokenizer: Tokenizer | None = None     # loaded on first use (`tokenizer`)
         self._chat_template: ChatTemplate | None = None
         m = manifest
-        self.cache = KVCache(m.n_layers, m.n_kv_heads, m.max_seq, m.head_dim, np.dtype(m.kv_dtype), m.dims.all_rows)
+        self.cache = KVCache.for_dims(m.dims)
         self.clock = RunClock()
         self.engine = Engine(self.directory, m, self.cache, config, self.clock)
         self.bos_id, self.eos_id = m.bos_id, m.eos_id

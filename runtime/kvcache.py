@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import EdgeError
-from .graphio import SPARE_ROWS
+from .graphio import SPARE_ROWS, Dims
 
 
 def write_rows(cache: np.ndarray, rows: np.ndarray, start: int, count: int) -> None:
@@ -101,6 +101,11 @@ class KVCache:
         self.ring = [r < max_seq for r in rows]
         self.max_seq = max_seq
         self.length = 0
+
+    @classmethod
+    def for_dims(cls, dims: Dims) -> KVCache:
+        """The cache an export's graphs read and write (`Manifest.dims`): its rows per layer, row width and dtype."""
+        return cls(dims.n_layers, dims.n_kv_heads, dims.max_seq, dims.head_dim, np.dtype(dims.kv_dtype), dims.all_rows)
 
     @property
     def free(self) -> int:

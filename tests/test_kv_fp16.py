@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from edgellm.export import ExportOptions, export_model
-from edgellm.export.options import FP16_CACHE_ATOL
 from edgellm.model import ModelConfig
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
+from edgellm.runtime.graphio import FP16_CACHE_ATOL
 from edgellm.runtime.manifest import Manifest, read_manifest
 from edgellm.runtime.sampling import SamplingParams, StopParams
 from edgellm.runtime.session import SessionConfig
@@ -106,3 +106,16 @@ def test_the_manifest_versions_its_cache_type(exports) -> None:
     old = {k: v for k, v in json.loads((exports["float32"][0] / "manifest.json").read_text()).items()
            if k != "kv_dtype"}
     assert Manifest.from_json(json.dumps({**old, "format_version": 13})).kv_dtype == "float32"  # 8-13: fp32
+
+
+def test_info_prints_the_cache_type_and_its_size(exports, capsys) -> None:
+    from edgellm.cli import main
+
+    sizes = {}
+    for dtype in ("float32", "float16"):
+        assert main(["info", str(exports[dtype][0])]) == 0
+        out = capsys.readouterr().out
+        assert f"kv_dtype {dtype}," in out
+        sizes[dtype] = float(out.split("KV cache ")[1].split(" MB")[0])
+        assert f"MB ({dtype}, allocated once" in out
+    assert sizes["float16"] * 2 == pytest.approx(sizes["float32"], rel=0.02)

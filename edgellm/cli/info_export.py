@@ -6,6 +6,8 @@ import json
 import shlex
 from pathlib import Path
 
+import numpy as np
+
 from edgellm.runtime.manifest import FORMAT, MANIFEST, Manifest, read_manifest
 from edgellm.runtime.session import SessionConfig
 from edgellm.runtime.variant import runs_stack
@@ -64,11 +66,11 @@ def describe_export(path: Path) -> None:
     print(f"precision: {_precision(m)}")
     print(f"graphs: {len(m.graphs)} ({len({g.file for g in m.graphs})} files); per decoded token: {_per_token(m)}")
     rows = [m.dims.layer_rows(i) for i in range(m.n_layers)]
-    width = 2 if m.kv_dtype == "float16" else 4  # bytes per cached value
+    width = np.dtype(m.kv_dtype).itemsize  # bytes per cached value
     kv = 2 * sum(rows) * m.n_kv_heads * m.head_dim * width
     rings = sum(r < m.max_seq for r in rows)
     print(f"size: {sum(f.bytes for f in m.files.values()) / 1e6:.2f} MB in {len(m.files)} files; "
-          f"KV cache {kv / 1e6:.2f} MB ({'fp16' if width == 2 else 'fp32'}, allocated once"
+          f"KV cache {kv / 1e6:.2f} MB ({m.kv_dtype}, allocated once"
           + (f"; heads zero-padded to {m.head_dim}" if m.head_dim != m.model_head_dim else "")
           + (f"; {rings} sliding-window layers keep rings of {min(rows)} rows, "
              f"{kv / (2 * m.n_layers * m.max_seq * m.n_kv_heads * m.head_dim * width):.0%} of full-length caches"

@@ -29,7 +29,7 @@ from onnx import helper
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import describe_files
-from edgellm.runtime.graphio import graph_io, graph_paths
+from edgellm.runtime.graphio import FP16_CACHE_ATOL, graph_io, graph_paths
 from edgellm.runtime.manifest import GraphSpec, Manifest
 from edgellm.runtime.session import SessionConfig
 
@@ -40,10 +40,6 @@ STACK_FILE = "stack.onnx"
 LONE_FILE = "stack_lone.onnx"  # the stack without the spare attention row (lone.py)
 HEAD_FILE = "head.onnx"
 STACK_TOLERANCE = 1e-4  # stack vs its own layer graphs: the same nodes (measured: bit-identical logits)
-# with an fp16 cache (manifest kv_dtype) a last-bit difference in q, k or v (onnxruntime fuses the stack's nodes
-# across layer boundaries, the layer graphs' not) moves a cached row by an fp16 step, 2^-11 relative, which the
-# layers after it carry to the logits: SmolLM2-135M-Instruct 5.0e-4 relative
-STACK_TOLERANCE_FP16 = 4e-3
 LONE_DECODE_BOUND = 0.1  # lone-row vs stack decode logits, relative (SmolLM2 int4: 0.023; the prefill check is exact)
 
 
@@ -148,8 +144,10 @@ def _through_engine(directory: Path, manifest: Manifest, config: SessionConfig, 
 
 
 def stack_tolerance(manifest: Manifest) -> float:
-    """How far a stack's logits may be from its layer graphs' (and a lone stack's prefill from the stack's)."""
-    return STACK_TOLERANCE if manifest.kv_dtype == "float32" else STACK_TOLERANCE_FP16
+    """How far a stack's logits may be from its layer graphs' (and a lone stack's prefill from the stack's): with an
+    fp16 cache a last-bit difference in q, k or v (onnxruntime fuses the stack's nodes across layer boundaries, the
+    layer graphs' not) moves a cached row by a whole fp16 step (graphio.FP16_CACHE_ATOL)."""
+    return STACK_TOLERANCE if manifest.kv_dtype == "float32" else FP16_CACHE_ATOL
 
 
 def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], decode_steps: int = 3) -> float:
