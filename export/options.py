@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import FP16_CACHE_ATOL, KV_DTYPES
+from edgellm.runtime.graphio import FP16_CACHE_ATOL
 from edgellm.runtime.manifest import Granularity
 
 Attention = Literal["fused", "standard"]
@@ -16,6 +16,8 @@ ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 # The dynamo exporter emits opset 18+; onnxruntime 1.22 (the oldest the board install allows) runs up to 21.
 OPSETS = range(18, 22)
 
+
+EXPORT_KV_DTYPES = ("float32", "float16")  # graphio.KV_DTYPES but int8, which quantize makes (calibrated scales)
 
 @dataclass(frozen=True)
 class ExportOptions:
@@ -46,7 +48,10 @@ class ExportOptions:
         need(isinstance(self.atol, (int, float)) and 0 < self.atol < float("inf"),
              f"--atol: expected a positive number, got {self.atol!r}")
         need(self.opset in OPSETS, f"--opset: expected {OPSETS.start}..{OPSETS.stop - 1}, got {self.opset!r}")
-        need(self.kv_dtype in KV_DTYPES, f"--kv-dtype: expected one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        need(self.kv_dtype in EXPORT_KV_DTYPES,
+             f"--kv-dtype: expected one of {', '.join(EXPORT_KV_DTYPES)}, got {self.kv_dtype!r}"
+             + (" (an int8 cache's scales are calibrated: `edgellm quantize --kv-dtype int8`)"
+                if self.kv_dtype == "int8" else ""))
         need(self.kv_dtype == "float32" or self.kv_layout == "inplace",
              f"--kv-dtype {self.kv_dtype}: written by the fused layers only (--attention fused, --granularity layer)")
         if cfg is not None:

@@ -9,9 +9,9 @@ import onnx
 from edgellm.runtime.errors import need
 from edgellm.runtime.manifest import TensorSpec
 
-# TensorSpec dtype -> ONNX element type (float16: an fp16 cache, manifest kv_dtype)
+# TensorSpec dtype -> ONNX element type (float16 / int8: the cache of manifest kv_dtype)
 ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "int64": onnx.TensorProto.INT64,
-              "int32": onnx.TensorProto.INT32}
+              "int32": onnx.TensorProto.INT32, "int8": onnx.TensorProto.INT8}
 
 
 def rsqrt_to_div(graph: onnx.GraphProto) -> int:

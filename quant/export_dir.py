@@ -26,32 +26,37 @@ from tqdm import tqdm
 
 from edgellm import __version__
 from edgellm.layout.pairing import pair_layer
-from edgellm.layout.stacking import check_lone, check_stack, write_stack
+from edgellm.layout.stacking import write_stack
 from edgellm.runtime.errors import EdgeError, need
-from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join, sha256_file
+from edgellm.runtime.fileio import atomic_dir, describe_files, safe_join
 from edgellm.runtime.graphio import STACK_ROLES
-from edgellm.runtime.manifest import COLUMNS_SINCE, LONE_SINCE, MANIFEST, GraphSpec, Manifest, read_manifest
+from edgellm.runtime.manifest import (
+    COLUMNS_SINCE,
+    LONE_SINCE,
+    MANIFEST,
+    GraphSpec,
+    Manifest,
+    read_manifest,
+)
 from edgellm.runtime.tokenizer import copy_tokenizer
 
-from . import mixed
+from . import kv_int8, mixed
 from .awq import Migrator
-from .calibrate import Calibration, calibrate, sample_sequences
+from .calibrate import Calibration, calibrate
 from .headsplit import HeadSplit, plan_split, split_head
 from .onnxedit import load_graph, prune_initializers
 from .options import QuantizeOptions, logical_name, unmatched_keeps
 from .plan import QuantPlan, WeightReport, WeightSite
-from .report import LogitComparison, compare_logits
+from .record import check_export, quantization_record, site
+from .report import LogitComparison
 from .rewrite import quantize_model
-from .runner import export_logits
 from .storage import DataStore, Ref, copy_shared
 from .tied import quantize_tied_gathers
 
-RECORD_VERSION = 1        # of the manifest's `quantization` object
 COLUMNS_FILE = "logit_columns.i32"   # a split head's column -> token id map (runtime/columns.py)
 # a split head needs format 12's logit_columns; 10 and 11 differ from 12 in nothing a quantized export keeps
 # (8-9: no spare cache row, which the version number tells the runtime, so they cannot be relabelled)
 SPLIT_SINCE = 10
-CHECK_TOKENS = 128        # positions compared against fp32 after quantizing (one sampled sequence)
 
 
 @dataclass
@@ -114,10 +119,6 @@ def _candidate_sites(src: Path, manifest: Manifest) -> list[WeightSite]:
     return sites
 
 
-def _site(r: WeightReport) -> WeightSite:
-    return WeightSite(r.name, r.op, "", r.module, r.shape)
-
-
 def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bool = True,
                     progress: bool = True, log: Callable[[str], None] = _stderr,
                     calibration: Calibration | None = None) -> QuantizeResult:
@@ -137,6 +138,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
          f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
          f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
+    kv_dtype, kv_note = kv_int8.cache_type(src, manifest, options)
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0
     if options.calibrated and (calib is None or (hessians and not calib.hessians)):
@@ -156,13 +158,16 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     plan = options.plan(manifest.n_layers, calib.act_scales if calib else None,
                         calib.hessians if calib and options.method == "gptq" else None, promoted, tied)
     migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
+    kv_scales = kv_int8.calibrated(src, manifest, options, progress) if kv_dtype == "int8" else None
+    source, manifest = manifest, kv_int8.with_cache(manifest, "int8") if kv_scales else manifest
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
         paired = options.format == "fast" and manifest.kv_layout == "inplace" and manifest.prefill_chunk > 1
         shared = copy_shared(src, manifest.graphs, tmp)   # rope.data: read by every layer, copied as it is
-        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared, split)
-        names = sorted(((logical_name(_site(r)), r) for r in reports.values()), key=_display_order)
+        graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared, split,
+                                       kv_scales)
+        names = sorted(((logical_name(site(r)), r) for r in reports.values()), key=_display_order)
         rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data}
                                                                    | {r.file for r in shared.values()})
         if manifest.tokenizer is not None:  # the tokenizer file (a tokenizer.json minified) and chat template
@@ -184,14 +189,16 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         new = dataclasses.replace(manifest, edgellm_version=__version__, graphs=tuple(graphs), files=files,
                                   opset=opset, quantization={}, verification={}, logit_columns=columns,
                                   format_version=version)
-        comparison, stack_checks = _check(src, manifest, tmp, new, options.seed) if check else (None, {})
-        record = _record(options, plan, names, calib, comparison, manifest, src,
-                         migrator.alpha if migrator else {})
+        comparison, stack_checks = check_export(src, source, tmp, new, options.seed) if check else (None, {})
+        record = quantization_record(options, plan, names, calib, comparison, source, src,
+                                     migrator.alpha if migrator else {}, kv_scales)
         verification = {"end_to_end_vs_fp32": comparison.max_abs_diff} if comparison else {}
         verification |= stack_checks
         new = dataclasses.replace(new, quantization=record, verification=verification)
         new.write(tmp)
-    before = sum(f.bytes for f in manifest.files.values())
+    if kv_note:
+        log(kv_note)
+    before = sum(f.bytes for f in source.files.values())
     after = sum(f.bytes for f in new.files.values())
     return QuantizeResult(new, names, before, after, comparison, calib)
 
@@ -216,12 +223,13 @@ def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool,
-                 shared: dict[str, Ref], split: HeadSplit | None,
+                 shared: dict[str, Ref], split: HeadSplit | None, kv_scales: list | None,
                  ) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
     (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time). `shared`: tensors
     already in `tmp`'s copy of rope.data (copy_shared), pointed at there. `split`: the head's rows split
-    (headsplit.py) in every graph reading its table, after AWQ (which leaves an int8 head alone)."""
+    (headsplit.py) in every graph reading its table, after AWQ (which leaves an int8 head alone). `kv_scales`:
+    every layer graph's cache made int8 with these scales (kv_int8.py)."""
     store = DataStore(tmp, shared)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
@@ -239,6 +247,8 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     if split is not None:
                         split_head(model, split.table, split.hi)
                     found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
+                    if kv_scales:
+                        kv_int8.int8_cache(model, kv_scales)
                     prune_initializers(model.graph)
                     done.append((dataclasses.replace(g, data=store.place(model, f"{stem}.data")), model))
                     for r in found:
@@ -272,52 +282,3 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
 def _opset(path: Path) -> int:
     model = load_graph(path, False)
     return next((op.version for op in model.opset_import if op.domain in ("", "ai.onnx")), 0)
-
-
-def _check(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
-           seed: int) -> tuple[LogitComparison, dict[str, float]]:
-    """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration); and
-    the stack graph (if any) vs the layer graphs it was built from, the lone-row stack (if any) vs the stack,
-    through the runtime's Engine (the manifest's `verification` keys)."""
-    (tokens,) = sample_sequences(src, min(CHECK_TOKENS, src_manifest.max_seq) - 1, seed + 1_000_003)
-    (ref,) = export_logits(src, src_manifest, [tokens])
-    (got,) = export_logits(tmp, new, [tokens])
-    comparison = compare_logits([ref], [got])
-    need(comparison.max_abs_diff < float("inf"), f"{tmp}: the quantized export produces non-finite logits")
-    checks = {"stack_vs_layers": check_stack(tmp, new, tokens)} if new.has_stack else {}
-    if new.has_lone_stack:
-        checks["lone_vs_stack"] = check_lone(tmp, new, tokens)
-    return comparison, checks
-
-
-def _record(options: QuantizeOptions, plan: QuantPlan, names: list[tuple[str, WeightReport]],
-            calib: Calibration | None, comparison: LogitComparison | None, src_manifest: Manifest,
-            src: Path, alpha: dict[str, float]) -> dict:
-    """The manifest's `quantization` object (version RECORD_VERSION)."""
-    weights = {}
-    for name, r in names:
-        spec = plan.choose(_site(r))
-        entry: dict = {"initializer": r.name, "op": r.op, "shape": list(r.shape),
-                       "bytes_before": r.bytes_before, "bytes_after": r.bytes_after}
-        if spec is None or r.scheme == "fp32":
-            entry |= {"bits": 32, "block_size": 0, "symmetric": None, "method": None, "format": "fp32",
-                      "max_abs_err": 0.0, "rel_rms_err": 0.0}
-        else:
-            entry |= {"bits": spec.scheme.bits, "block_size": spec.scheme.block_size,
-                      "symmetric": spec.scheme.symmetric, "method": r.scheme.rsplit("-", 1)[-1],
-                      "format": options.format, "max_abs_err": float(f"{r.max_abs_err:.6g}"),
-                      "rel_rms_err": float(f"{r.rel_rms_err:.6g}")}
-        if r.shared_with:
-            entry["shared_with"] = r.shared_with
-        if r.op != "Gather" and r.name in alpha:
-            entry["awq_alpha"] = alpha[r.name]      # 0: AWQ's search kept the unscaled weight
-        weights[name] = entry
-    before = sum(r.bytes_before for _, r in names if not r.shared_with)
-    after = sum(r.bytes_after for _, r in names)
-    return {"version": RECORD_VERSION, "tool": f"edgellm quantize {__version__}", "options": options.to_dict(),
-            "accuracy_level": options.accuracy_level if options.format == "fast" else None,
-            "source": {"preset": src_manifest.preset, "manifest_sha256": sha256_file(src / MANIFEST)},
-            "calibration": calib.to_dict() if calib else None,
-            "weight_bytes": {"before": before, "after": after},
-            "check": comparison.to_dict() if comparison else None,
-            "weights": weights}

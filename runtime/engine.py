@@ -52,9 +52,10 @@ from .session import (
     RunClock,
     SessionConfig,
     SharedWeights,
+    check_onnxruntime,
     open_placed,
 )
-from .variant import GraphRun, Hook, Variant, runs_stack, stack_role
+from .variant import LONE_EXACT, GraphRun, Hook, Variant, runs_stack, stack_role
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
@@ -72,6 +73,7 @@ class Engine:
     def __init__(self, directory: Path, manifest: Manifest, cache: KVCache, config: SessionConfig,
                  clock: RunClock) -> None:
         self.directory, self.manifest, self.cache, self.clock = Path(directory), manifest, cache, clock
+        check_onnxruntime(manifest.kv_dtype, str(directory))
         self.config = config
         self.layered = manifest.granularity == "layer"
         self.stacked = runs_stack(manifest, config)
@@ -82,8 +84,9 @@ class Engine:
         # whether each row `few_rows` returns is bit for bit what a decode step of that token returns: the fused
         # attention's extra row (its spare cache row, graphio.spare_rows) makes every call >= 2 rows, matmuls are
         # row-exact; then greedy speculation gives plain decoding's tokens whatever the precision (not so in the
-        # lone-row stack, which leaves that row out)
-        self.exact_rows = self.any_rows and manifest.dims.spare > 0 and self.stack_role == "stack"
+        # lone-row stack, which leaves that row out, unless its cache type makes every row alike: variant.LONE_EXACT)
+        lone_exact = manifest.kv_dtype in LONE_EXACT
+        self.exact_rows = self.any_rows and manifest.dims.spare > 0 and (self.stack_role == "stack" or lone_exact)
         self.in_place = manifest.kv_layout == "inplace"
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths

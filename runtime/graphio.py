@@ -41,7 +41,7 @@ class Dims:
     embed_positions: bool = False
     rows: tuple[int, ...] = ()  # rows of each layer's cache (`cache_rows`); () = max_seq + spare for every layer
     spare: int = 0  # SPARE_ROWS for "inplace" exports of format 10+, else 0
-    kv_dtype: str = "float32"  # of the cache tensors (past_* / present_*): KV_DTYPES, float16 since format 14
+    kv_dtype: str = "float32"  # of the cache tensors (past_* / present_*): KV_DTYPES, float16 since 14, int8 since 15
 
     def layer_rows(self, layer: int) -> int:
         """Rows of `layer`'s cache: max_seq (+ the spare row of fused attention), or fewer for a sliding-window
@@ -54,9 +54,10 @@ class Dims:
         return tuple(self.layer_rows(i) for i in range(self.n_layers))
 
 
-# the cache's element type (manifest `kv_dtype`, format 14): fp16 halves the cache's bytes; only the fused layers
-# (kv_layout "inplace") write one, casting GroupQueryAttention's inputs to it (export/fused.py)
-KV_DTYPES = ("float32", "float16")
+# the cache's element type (manifest `kv_dtype`, format 14; int8 15): fp16 halves the cache's bytes, int8 quarters
+# them; only the fused layers (kv_layout "inplace") write either: fp16 by casting GroupQueryAttention's inputs to it
+# (export/fused.py), int8 by the kernel itself with static per-channel scales (quant/kv_int8.py)
+KV_DTYPES = ("float32", "float16", "int8")
 # how far an fp16 cache may move what a graph computes, relative to max(1, max |output|), in every check that
 # compares it with an fp32 computation (export against PyTorch, the stack against its layer graphs): the cached rows
 # are rounded to fp16 (2^-11 relative; ~1e-3 on the N(0,1) verification inputs), attention reads q, k, v at that

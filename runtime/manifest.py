@@ -37,6 +37,9 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      every graph and the buffers `KVCache` allocates. fp16 is written by the fused layers only (kv_layout
      "inplace": GroupQueryAttention's inputs cast to it, its output back to fp32, export/fused.py); 8-13 read
      as "float32".
+ 15  `kv_dtype` "int8" (`quantize --kv-dtype int8`, quant/kv_int8.py): GroupQueryAttention quantizes the rows it
+     writes and dequantizes what it reads, with static symmetric scales per (kv head, channel) held in each layer
+     graph; nothing else changed (a reader of 14 refuses 15 by its version, as it would any newer format).
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -60,13 +63,14 @@ from .manifest_checks import ROLES_BY_GRANULARITY, check_graphs, check_tokenizer
 from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
-FORMAT_VERSION = 14
-READS = (8, 9, 10, 11, 12, 13, 14)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+FORMAT_VERSION = 14  # what export writes; quantize writes 15 only for an int8 cache (KV_INT8_SINCE)
+READS = (8, 9, 10, 11, 12, 13, 14, 15)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 COLUMNS_SINCE = 12  # the first format with `logit_columns`
 LONE_SINCE = 13  # the first format with a "stack_lone" graph
 KV_DTYPE_SINCE = 14  # the first format with `kv_dtype`
+KV_INT8_SINCE = 15  # the first format whose `kv_dtype` may be "int8"
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -191,6 +195,8 @@ class Manifest:
         need(self.kv_dtype == "float32" or self.format_version >= KV_DTYPE_SINCE,
              f"kv_dtype: {self.kv_dtype!r:.40} needs format_version {KV_DTYPE_SINCE}, this manifest says "
              f"{self.format_version}")
+        need(self.kv_dtype != "int8" or self.format_version >= KV_INT8_SINCE,
+             f"kv_dtype: 'int8' needs format_version {KV_INT8_SINCE}, this manifest says {self.format_version}")
         need(self.logit_columns is None or self.granularity == "layer",
              "logit_columns: only a head graph (granularity 'layer') computes its logits in another order")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None

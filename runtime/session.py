@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -215,7 +216,18 @@ def _checked(array: np.ndarray, where: str) -> np.ndarray:
 
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16",
-               "tensor(int32)": "int32", "tensor(bool)": "bool"}
+               "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(int8)": "int8"}
+# the first onnxruntime whose CPU GroupQueryAttention runs an int8 cache with packed qkv (1.25-1.26 load the graph
+# and fail in the first run; checked 2026-11-27 on 1.24.4, 1.25.0, 1.25.1, 1.26.0, 1.27.0, 1.28.0, 1.30.0, 1.32.0)
+KV_INT8_ORT = (1, 27)
+
+
+def check_onnxruntime(manifest_kv_dtype: str, where: str) -> None:
+    """Refuse, in one line, an export this onnxruntime cannot run (before any session is made)."""
+    found = tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2])
+    need(manifest_kv_dtype != "int8" or found >= KV_INT8_ORT,
+         f"{where}: its int8 KV cache needs onnxruntime >= {'.'.join(map(str, KV_INT8_ORT))}, this is "
+         f"{ort.__version__} (pip install -U onnxruntime; or quantize it again with --kv-dtype keep)")
 
 
 def check_io(session: ort.InferenceSession, spec: GraphSpec) -> None:

@@ -36,10 +36,19 @@ def runs_stack(manifest: Manifest, config: SessionConfig) -> bool:
     return manifest.granularity == "layer" and manifest.has_stack and config.stack
 
 
+# cache types whose attention computes a lone row (S = 1) bit for bit as that row among several: onnxruntime's
+# quantized-cache GroupQueryAttention runs one routine for every S (measured: SmolLM2-135M-Instruct int4 with an
+# int8 cache, each S = 1 decode step = its row of S = 5..16 verifications, 40-700 rows of context; fp32 and fp16
+# caches compute a lone row in another order: up to 0.66 off in the logits). Their lone-row stack is exact.
+LONE_EXACT = ("int8",)
+
+
 def stack_role(manifest: Manifest, config: SessionConfig) -> str:
     """Which stack an Engine that runs one opens: "stack_lone" (no spare attention row, format 13;
-    edgellm/layout/lone.py) when `config.exact` is off and the export has it, else "stack"."""
-    return "stack_lone" if not config.exact and manifest.has_lone_stack else "stack"
+    edgellm/layout/lone.py) when the export has it and `config.exact` is off or the cache type makes it exact
+    (LONE_EXACT: its rows are then the stack's, bit for bit, without the spare row's cost), else "stack"."""
+    lone_ok = not config.exact or manifest.kv_dtype in LONE_EXACT
+    return "stack_lone" if lone_ok and manifest.has_lone_stack else "stack"
 
 
 class Variant:

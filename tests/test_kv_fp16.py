@@ -98,7 +98,7 @@ def test_the_manifest_versions_its_cache_type(exports) -> None:
     assert doc["kv_dtype"] == "float16"
     Manifest.from_json(json.dumps(doc))  # as written: reads
     for change, message in (
-            ({"kv_dtype": "bfloat16"}, r"^kv_dtype: expected one of float32, float16, got 'bfloat16'"),
+            ({"kv_dtype": "bfloat16"}, r"^kv_dtype: expected one of float32, float16, int8, got 'bfloat16'"),
             ({"format_version": 13}, r"unknown key|kv_dtype"),  # 13's keys are exact: no kv_dtype
     ):
         with pytest.raises(EdgeError, match=message):

@@ -169,8 +169,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=15, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 15 is not supported \(this edgellm reads 8-14; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=16, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 16 is not supported \(this edgellm reads 8-15; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 
@@ -209,7 +209,9 @@ def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     (lambda d: (d.update(format_version=11), d.pop("kv_dtype")), r"unknown key\(s\) \['logit_columns'\]"),  # 12's
     (lambda d: d.update(format_version=13), r"unknown key\(s\) \['kv_dtype'\]"),   # a 14 key in a 13
     (lambda d: d.pop("kv_dtype"), r"missing key\(s\) \['kv_dtype'\]"),
-    (lambda d: d.update(kv_dtype="int8"), "kv_dtype: expected one of float32, float16, got 'int8'"),
+    (lambda d: d.update(kv_dtype="int4"), "kv_dtype: expected one of float32, float16, int8, got 'int4'"),
+    (lambda d: d.update(kv_dtype="int8"), "kv_dtype: 'int8' needs format_version 15, this manifest says 14"),
+    (lambda d: d.update(kv_dtype="int8", format_version=15), r"kv_dtype: a int8 cache is written by the fused"),
     (lambda d: d.update(kv_dtype="float16"), r"kv_dtype: a float16 cache is written by the fused layers only"),
 ])
 def test_malformed_manifest_names_the_key(tmp_path: Path, change, match: str) -> None:

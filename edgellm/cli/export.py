@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "one that is no multiple of 8 is zero-padded to the next (manifest kv_head_dim)")
     parser.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
                         help="the KV cache's element type: float16 halves its bytes (fused layers, full attention "
-                             "only; default float32)")
+                             "only; default float32). int8: `edgellm quantize --kv-dtype int8` (calibrated scales)")
     parser.add_argument("--atol", type=number, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
                              "max(1, max |PyTorch|) (default 1e-4; with --kv-dtype float16 at least 4e-3)")

@@ -1,0 +1,177 @@
+"""An int8 KV cache (`quantize --kv-dtype int8`, manifest format 15): GroupQueryAttention writes round(x / scale)
+clipped to int8 with static per-(kv head, channel) scales calibrated on the fp32 export's own K/V, the runtime
+allocates a quarter of the fp32 cache's bytes, the lone-row stack is then bit for bit the spare-row stack (so greedy
+decoding runs it and speculation stays exact), and what cannot hold one is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from edgellm.export import ExportOptions, export_model
+from edgellm.quant import kv_int8
+from edgellm.quant.export_dir import quantize_export
+from edgellm.quant.options import QuantizeOptions
+from edgellm.runtime.engine import Engine
+from edgellm.runtime.errors import EdgeError
+from edgellm.runtime.generator import Generator
+from edgellm.runtime.manifest import KV_INT8_SINCE, Manifest, read_manifest
+from edgellm.runtime.sampling import SamplingParams, StopParams
+from edgellm.runtime.session import SessionConfig
+from tests.export_helpers import greedy_steps, tiny_model
+
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 256, 10)] * 3
+GREEDY = SamplingParams(temperature=0)
+KV_ONLY = dict(bits=8, keep=("*",), embeddings="fp32", lm_head="fp32")  # weights stay fp32: the cache alone
+
+
+def export(out: Path, kv_dtype: str = "float32", attention: str = "fused") -> Path:
+    export_model(tiny_model("llama2", seed=0), out, ExportOptions(max_seq=96, prefill_chunk=8, kv_dtype=kv_dtype,
+                                                                  attention=attention),
+                 progress=False, log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kv8")
+    src = export(root / "fp32")
+    out = {"fp32": src}
+    for name, kw in (("kv8", KV_ONLY), ("int4-kv8", dict(bits=4, method="rtn"))):
+        quantize_export(src, root / name, QuantizeOptions(kv_dtype="int8", **kw), progress=False, log=lambda _: None)
+        out[name] = root / name
+    return out
+
+
+def _scales(directory: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """A layer graph's (k, v) cache scales [n_kv, 1, hd], read from the graph as the kernel reads them."""
+    model = onnx.load(str(directory / f"layer_{layer}.onnx"), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    return tuple(numpy_helper.to_array(inits[f"layers.{layer}.attn.{n}"]) for n in kv_int8.SCALE_NAMES)
+
+
+def test_an_int8_cache_quarters_the_cache_and_holds_round_x_over_scale(exports) -> None:
+    d8, d32 = exports["kv8"], exports["fp32"]
+    m8 = read_manifest(d8)
+    assert (m8.kv_dtype, m8.format_version) == ("int8", KV_INT8_SINCE)
+    assert all(t.dtype == "int8" for g in m8.graphs for t in (*g.inputs, *g.outputs)
+               if t.name.startswith(("past_", "present_")))
+    g8, g32 = Generator.open(d8), Generator.open(d32)
+    assert {a.dtype for a in g8.cache.keys + g8.cache.values} == {np.dtype(np.int8)}
+    assert sum(a.nbytes for a in g8.cache.keys) * 4 == sum(a.nbytes for a in g32.cache.keys)
+    # layer 0 reads the same (fp32) embedding rows in both, so its new K/V rows are the fp32 export's, rounded
+    e8, e32 = Engine.open(d8, m8), Engine.open(d32, read_manifest(d32))
+    e8.forward_rows(PROMPT)
+    e32.forward_rows(PROMPT)
+    n = len(PROMPT)
+    for got, ref, scale in zip((e8.cache.keys[0], e8.cache.values[0]), (e32.cache.keys[0], e32.cache.values[0]),
+                               _scales(d8, 0), strict=True):
+        want = np.clip(np.round(ref[:, :, :n] / scale[None]), -128, 127)
+        assert np.abs(got[:, :, :n].astype(np.int32) - want).max() <= 1  # a tie at .5 may round either way
+        assert (got[:, :, :n] == want).mean() > 0.99
+        assert np.abs(got[:, :, :n]).max() > 20  # the scales use the range, they do not crush it
+    record = m8.quantization["kv_cache"]
+    assert record["dtype"] == "int8" and record["margin"] == kv_int8.MARGIN and len(record["max_scale"]) == 2
+
+
+def test_the_scales_cover_what_calibration_saw_with_the_margin(exports, tmp_path: Path) -> None:
+    src = exports["fp32"]
+    seqs = [PROMPT, PROMPT[::-1]]
+    scales = kv_int8.cache_scales(src, read_manifest(src), seqs)
+    engine = Engine.open(src, read_manifest(src))
+    peak = np.zeros_like(scales[1][1][:, 0])
+    for seq in seqs:
+        engine.cache.reset()
+        engine.forward_rows(seq)
+        peak = np.maximum(peak, np.abs(engine.cache.values[1][0, :, :len(seq)]).max(axis=1))
+    np.testing.assert_allclose(scales[1][1][:, 0] * 127 / kv_int8.MARGIN, peak, rtol=1e-6)
+
+
+def test_int8_cache_logits_stay_close_to_the_fp32_cache(exports) -> None:
+    rows = {k: Engine.open(exports[k], read_manifest(exports[k])).forward_rows(PROMPT) for k in ("fp32", "kv8")}
+    lp = {k: v - np.log(np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True)) - v.max(-1, keepdims=True)
+          for k, v in rows.items()}
+    kl = (np.exp(lp["fp32"]) * (lp["fp32"] - lp["kv8"])).sum(-1).mean()
+    assert 0 < kl < 0.02
+    assert (rows["fp32"].argmax(-1) == rows["kv8"].argmax(-1)).mean() >= 0.9
+    assert read_manifest(exports["kv8"]).quantization["check"]["mean_kl"] < 0.02
+
+
+@pytest.mark.parametrize("name", ["kv8", "int4-kv8"])
+def test_the_lone_row_stack_is_exact_with_an_int8_cache(exports, name: str) -> None:
+    d = exports[name]
+    m = read_manifest(d)
+    assert m.verification["lone_vs_stack"] == 0.0  # quantize's own check: bit for bit
+    engine = Engine.open(d, m)  # the default (exact) config opens the lone-row stack: its rows are exact
+    assert engine.stack_role == "stack_lone" and engine.exact_rows
+    fed, steps = greedy_steps(engine, PROMPT, 16)
+    rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
+    assert np.array_equal(rows, steps)
+    gen = Generator.open(d)
+    plain = gen.complete(PROMPT, GREEDY, StopParams(32), ignore_eos=True, text=False).token_ids
+    gen.speculate("lookup", timed=False)
+    spec = gen.complete(PROMPT, GREEDY, StopParams(32), ignore_eos=True, text=False)
+    assert spec.token_ids == plain and spec.speculative["accepted"] > 0
+
+
+def test_an_fp32_cache_keeps_the_spare_row_stack_for_exact_rows(exports) -> None:
+    d = exports["fp32"]
+    assert Engine.open(d, read_manifest(d)).stack_role == "stack"
+    lone = Engine.open(d, read_manifest(d), SessionConfig(exact=False))
+    assert lone.stack_role == "stack_lone" and not lone.exact_rows
+
+
+def test_what_cannot_hold_an_int8_cache_is_refused(exports, tmp_path: Path) -> None:
+    kv16 = export(tmp_path / "kv16", kv_dtype="float16")
+    standard = export(tmp_path / "std", attention="standard")
+    for src, message in ((kv16, "the export's cache is float16; quantize an export made with --kv-dtype float32"),
+                         (standard, "the cache is written by the fused layers only"),
+                         (exports["kv8"], "already quantized")):
+        with pytest.raises(EdgeError, match=message):
+            quantize_export(src, tmp_path / "out", QuantizeOptions(bits=8, kv_dtype="int8"), progress=False,
+                            log=lambda _: None)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(EdgeError, match=r"^--kv-dtype: expected int8 or auto, got 'int4'"):
+        QuantizeOptions(kv_dtype="int4").validate()
+    with pytest.raises(EdgeError, match=r"--kv-dtype: expected one of float32, float16, got 'int8' \(an int8 "):
+        ExportOptions(kv_dtype="int8").validate()
+
+
+def test_auto_gives_int8_where_the_export_can_hold_it_and_says_so(exports, tmp_path: Path) -> None:
+    standard = export(tmp_path / "std", attention="standard")
+    for src, want, said in ((exports["fp32"], "int8", "KV cache: int8"),
+                            (standard, "float32", "KV cache: float32, as the export's (the cache is written by")):
+        log: list[str] = []
+        quantize_export(src, tmp_path / f"q-{src.name}", QuantizeOptions(bits=8, kv_dtype="auto"), progress=False,
+                        log=log.append)
+        assert read_manifest(tmp_path / f"q-{src.name}").kv_dtype == want
+        assert any(line.startswith(said) for line in log)
+
+
+def test_the_manifest_versions_an_int8_cache(exports) -> None:
+    doc = json.loads((exports["kv8"] / "manifest.json").read_text())
+    assert (doc["format_version"], doc["kv_dtype"]) == (15, "int8")
+    Manifest.from_json(json.dumps(doc))
+    with pytest.raises(EdgeError, match=r"^kv_dtype: 'int8' needs format_version 15, this manifest says 14"):
+        Manifest.from_json(json.dumps({**doc, "format_version": 14}))
+
+
+def test_the_cli_quantizes_the_cache_and_info_prints_it(exports, tmp_path: Path, capsys) -> None:
+    from edgellm.cli import main
+
+    src = str(exports["fp32"])
+    for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float32"),
+                              ("q4", ["--bits", "4"], "int8"), ("q4-keep", ["--bits", "4", "--kv-dtype", "keep"], "float32")):
+        assert main(["quantize", src, "-o", str(tmp_path / name), *flags, "--no-progress", "--no-check"]) == 0
+        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # --bits 4's default: int8 where it can
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "int8")]) == 0
+    assert "kv_dtype int8," in capsys.readouterr().out
+    assert main(["quantize", str(exports["fp32"]), "-o", str(tmp_path / "bad"), "--bits", "8", "--kv-dtype",
+                 "fp8"]) == 2
+    assert "--kv-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
