@@ -34,12 +34,15 @@ prompt=$(host_attr PROMPT)
 flags=$(host_attr RUN_FLAGS)
 lone=$(host_attr LONE)
 lone_flags=$(host_attr LONE_FLAGS)
+plain=$(host_attr PLAIN)
+plain_flags=$(host_attr PLAIN_FLAGS)
 status=0
 for cpu in $CPUS; do
   for name in $names; do
     t0=$(date +%s)
     dir="${name%"$lone"}"; extra=""
     [ "$dir" != "$name" ] && extra="$lone_flags"   # NAME-lone: the export NAME through its lone-row stack
+    if [ "${name%"$plain"}" != "$name" ]; then dir="${name%"$plain"}"; extra="$plain_flags"; fi  # NAME-plain: no speculation
     # $flags is split on purpose (plain words); the prompt has spaces and stays one argument
     # from WORK: run in the repo, `python -m` would find the source tree's edgellm/ (no runtime inside) first
     if ! (cd "$WORK" && ARM64_CPU="$cpu" PYTHONPATH="$WORK/shim" bash "$SB" run "$ARMDIR" -- \
@@ -50,6 +53,14 @@ for cpu in $CPUS; do
     echo "arm64_check: $name on $cpu: $(( $(date +%s) - t0 )) s"
   done
   "$PY" "$REPO/bench/arm64_host.py" compare "$WORK" || status=1
+  # are a decode step's logits bit for bit its row of a verification on this CPU? (reported: where not,
+  # `--speculative auto` leaves greedy speculation off, which the NAME-plain comparison above checks)
+  for name in $(host_attr ROWS); do
+    got=$(cd "$WORK" && ARM64_CPU="$cpu" PYTHONPATH="$WORK/shim" bash "$SB" run "$ARMDIR" -- \
+        python3 "$REPO/bench/arm64_rows.py" "$WORK/exports/$name" 2> "$WORK/arm/$name.rows.err") || got=""
+    echo "arm64_check: $name rows on $cpu: ${got:-FAILED}"
+    [ -n "$got" ] || status=1
+  done
 done
 echo "arm64_check: done in $(( $(date +%s) - start )) s (status $status)"
 exit $status

@@ -133,6 +133,33 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
         gen.engine.reserve_rows(draft_tokens + 1)  # the last token + k drafts: every verification's logits
 
 
+PROBE_ROWS = 4  # decode steps compared with one verification of the same tokens by `rows_exact_here`
+
+
+def rows_exact_here(engine) -> tuple[bool, float]:
+    """(whether, max |difference|): on this machine's kernels, is each of PROBE_ROWS greedy decode steps bit for
+    bit that token's row of one verification? `Engine.exact_rows` says the graphs are built for it (x86: measured
+    equal); another CPU's kernels may still compute one row and several differently (aarch64 under qemu, 2026-11-27:
+    3e-6 fp32, 2e-4 int4 with an fp16 cache, 0.06 int8 on cortex-a76's dot-product kernels), and then greedy
+    speculation could change the text at a near-tie. Fixed token ids after the filled rows; the cache is rewound
+    to where it was."""
+    cache = engine.cache
+    start = cache.length
+    if not engine.exact_rows or cache.free < PROBE_ROWS + 2:
+        return False, float("inf")
+    logits = engine.forward_columns([7919 % engine.manifest.vocab_size]).copy()  # any id: rows are compared
+    fed, steps = [], []
+    for _ in range(PROBE_ROWS):
+        fed.append(engine.columns.token(logits))
+        logits = engine.forward_columns(fed[-1:]).copy()
+        steps.append(logits)
+    cache.rewind(start + 1)
+    rows = engine.few_columns(fed).copy()  # [PROBE_ROWS, V]: the same tokens as one verification
+    cache.rewind(start)
+    diff = float(np.abs(rows - np.stack(steps)).max())
+    return diff == 0.0, diff
+
+
 def speculation_off(cache) -> str | None:
     """Why speculation cannot run on this cache, or None."""
     return "sliding-window (ring) caches cannot be rewound" if any(cache.ring) else None

@@ -105,13 +105,25 @@ def note_no_lone_stack(manifest, choice: str, directory: Path) -> None:
 
 
 def speculate(gen, args: argparse.Namespace, config, sampled: bool = False) -> None:
-    """Apply --speculative / --draft / --draft-tokens to an opened Generator. auto: lookup where a verification
-    row is bit for bit a decode step (greedy then keeps plain decoding's tokens) and, for a `sampled` run,
+    """Apply --speculative / --draft / --draft-tokens to an opened Generator. auto: for a `sampled` run, lookup
     wherever the stack verifies rows in one call (the lone-row stack too: rejection sampling keeps the
-    distribution whatever the rows' last bits); else off."""
+    distribution whatever the rows' last bits); for greedy, lookup where a verification row is bit for bit a
+    decode step — built so (`Engine.exact_rows`) and measured so on this machine (`rows_exact_here`: a few rows,
+    once) — so greedy keeps plain decoding's tokens; else off (with a note when only this CPU's kernels are why)."""
     mode = args.speculative
     if mode == "auto":
-        mode = "lookup" if gen.engine.exact_rows or (sampled and gen.engine.any_rows) else "off"
+        engine = gen.engine
+        if sampled:
+            mode = "lookup" if engine.any_rows else "off"
+        else:
+            from edgellm.runtime.speculative import rows_exact_here
+
+            exact, diff = rows_exact_here(engine) if engine.exact_rows else (False, 0.0)
+            mode = "lookup" if exact else "off"
+            if engine.exact_rows and not exact:
+                print(f"[--speculative auto: off: on this CPU a verification row differs from a decode step by "
+                      f"{diff:.2g} (its kernels compute one row and several differently), so greedy speculation "
+                      "could change the text at a near-tie; --speculative lookup uses it anyway]", file=sys.stderr)
     gen.speculate(mode, args.draft, args.draft_tokens, config)
 
 
