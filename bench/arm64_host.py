@@ -1,9 +1,9 @@
-"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4 — its int8 KV cache, `quantize`'s default —,
-int4kv32 with the fp32 cache, and fp32 with an fp16 KV cache: kv16) and their greedy outputs on this machine (int4kv32
-also through its lone-row stack, `--exact-decode off`; int4 also with speculation off, so the board's speculative
-tokens are checked against its plain ones through the host's).
+"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4, int4kv8 with an int8 KV cache, and fp32 with
+an fp16 KV cache: kv16) and their greedy outputs on this machine (int4 also through its lone-row stack,
+`--exact-decode off`; int4kv8 also with speculation off, so the board's speculative tokens are checked against its
+plain ones).
 
-    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,int4kv32,kv16}, WORK/host/<name>.json
+    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,int4kv8,kv16}, WORK/host/<name>.json
     python bench/arm64_host.py shim WORK REPO   # WORK/shim/edgellm: import edgellm.* from the source tree
     python bench/arm64_host.py compare WORK     # WORK/host/*.json vs WORK/arm/*.json; exit 1 on a mismatch
 
@@ -25,7 +25,7 @@ LONE = "-lone"  # a name ending so runs the export before it with the lone-row s
 LONE_FLAGS = ["--exact-decode", "off"]
 PLAIN = "-plain"  # ... without speculative decoding
 PLAIN_FLAGS = ["--speculative", "off"]
-ROWS = ["fp32", "int8", "int4", "int4kv32", "kv16"]  # exports whose rows (decode step vs verification) are reported
+ROWS = ["fp32", "int8", "int4", "int4kv8", "kv16"]  # exports whose rows (decode step vs verification) are reported
 NEAR_TIE = 0.05  # a host logit margin under which the board may pick the other token (compare)
 SHIM = '''"""Maps the source tree's folders to their import names (edgellm/, runtime/ -> edgellm.runtime, ...)
 without installing it: see pyproject.toml's package-dir."""
@@ -73,11 +73,11 @@ def prepare(work: Path) -> None:
     # int4 with the MSE clip search: round-to-nearest collapses this scaled-up toy model's greedy output to one
     # repeated token, which would make the comparison weak
     for name, bits, method, more in (("int8", "8", "rtn", []), ("int4", "4", "mse", []),
-                                     ("int4kv32", "4", "mse", ["--kv-dtype", "keep"])):
+                                     ("int4kv8", "4", "mse", ["--kv-dtype", "int8"])):
         subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / name),
                         "--bits", bits, "--method", method, *more, "--no-progress", "--no-check"], check=True,
                        stdout=subprocess.DEVNULL)
-    names = ["fp32", "int8", "int4", "int4" + PLAIN, "int4kv32", "int4kv32" + LONE, "kv16"]
+    names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16"]
     for name in names:
         export, extra = name, []
         for suffix, flags in ((LONE, LONE_FLAGS), (PLAIN, PLAIN_FLAGS)):

@@ -67,18 +67,20 @@ def _timed(cmd: list[str], log: Path) -> None:
 
 
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str = "float32") -> Path:
-    """`edgellm export` (+ `quantize`) with the defaults a user gets; `kv_dtype` float16: `--kv-dtype float16`
-    (the directories then end in -kv16, apart from the default's)."""
+    """`edgellm export` (+ `quantize`) with the defaults a user gets; `kv_dtype` float16: `export --kv-dtype
+    float16` (the directories then end in -kv16), int8: `quantize --kv-dtype int8` (the quantized one ends in -kv8)."""
+    export_kv = "float16" if kv_dtype == "float16" else "float32"
     if kv_dtype != "float32":
-        out = out.with_name(out.name + "-kv16")
-    fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32"))
+        out = out.with_name(out.name + {"float16": "-kv16", "int8": "-kv8"}[kv_dtype])
+    fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32").removesuffix("-kv8"))
     rebuilt = rebuild_if_stale(fp32, lambda: _timed(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
-                                                     str(max_seq), "--prefill-chunk", "64", "--kv-dtype", kv_dtype,
+                                                     str(max_seq), "--prefill-chunk", "64", "--kv-dtype", export_kv,
                                                      "--no-progress"], fp32.with_suffix(".log")))
     if precision == "fp32":
         return fp32
     bits = {"int8": "8", "int4": "4"}[precision]
-    rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits,
+    more = ["--kv-dtype", "int8"] if kv_dtype == "int8" else []
+    rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, *more,
                                           "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
     return out
 
@@ -185,8 +187,9 @@ def main() -> None:
                         "speed drifts over minutes); prints the median of the per-round ratios")
     p.add_argument("--llamacpp", action="store_true", help="llama.cpp (f32 / Q8_0 / Q4_0) in the rotation too")
     p.add_argument("--lone", action="store_true", help="edgellm through its lone-row stack in the rotation too")
-    p.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
-                   help="edgellm's export with this KV cache type (`edgellm export --kv-dtype`)")
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "int8"), default="float32",
+                   help="edgellm's export with this KV cache type (float16: `edgellm export --kv-dtype`; int8: "
+                        "`edgellm quantize --kv-dtype`, quantized precisions only)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)

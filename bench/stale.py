@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from edgellm.runtime.manifest import FORMAT_VERSION
+from edgellm.runtime.manifest import FORMAT_VERSION, READS
 
 
 def rebuild_if_stale(out: Path, build: Callable[[], object], source_rebuilt: bool = False) -> bool:
@@ -19,10 +19,11 @@ def rebuild_if_stale(out: Path, build: Callable[[], object], source_rebuilt: boo
         version = json.loads((out / "manifest.json").read_text())["format_version"]
     except (OSError, ValueError, KeyError):
         version = None
-    if version == FORMAT_VERSION and not source_rebuilt:
+    current = isinstance(version, int) and FORMAT_VERSION <= version <= max(READS)  # 15: quantize's int8 cache
+    if current and not source_rebuilt:
         return False
     if out.exists():
-        why = ("derived from an export just rebuilt" if version == FORMAT_VERSION
+        why = ("derived from an export just rebuilt" if current
                else f"manifest format {version}, edgellm writes {FORMAT_VERSION}")
         print(f"{out}: {why}: rebuilding")
         shutil.rmtree(out)

@@ -138,7 +138,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
          f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
          f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
-    kv_dtype, kv_note = kv_int8.cache_type(src, manifest, options)
+    kv_dtype = kv_int8.cache_type(src, manifest, options)
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0
     if options.calibrated and (calib is None or (hessians and not calib.hessians)):
@@ -196,8 +196,6 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
         verification |= stack_checks
         new = dataclasses.replace(new, quantization=record, verification=verification)
         new.write(tmp)
-    if kv_note:
-        log(kv_note)
     before = sum(f.bytes for f in source.files.values())
     after = sum(f.bytes for f in new.files.values())
     return QuantizeResult(new, names, before, after, comparison, calib)

@@ -1,5 +1,4 @@
-"""`quantize --kv-dtype int8` (the `--bits 4` default where the export can hold one): an int8 KV cache, a quarter of
-the fp32 cache's bytes.
+"""`quantize --kv-dtype int8`: an int8 KV cache, a quarter of the fp32 cache's bytes.
 
 onnxruntime's CPU GroupQueryAttention (>= 1.27; 1.25-1.26 fail with packed q/k/v) keeps its cache as int8 when
 given static symmetric scales: it writes round(x / scale) clipped to [-128, 127] for each new K / V row and reads
@@ -52,20 +51,14 @@ def refuse_reason(manifest: Manifest) -> str | None:
     return None
 
 
-def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> tuple[str | None, str]:
-    """(the cache type to write, what to tell the user once the export is written): `--kv-dtype int8` (refused,
-    naming why, where the export cannot hold one), "auto" (int8 where it can, in the fast format), None (the
-    export's)."""
+def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str | None:
+    """The cache type to write: `--kv-dtype int8` (refused, naming why, where the export cannot hold one), or None
+    (the export's)."""
     if options.kv_dtype is None:
-        return None, ""
+        return None
     reason = refuse_reason(manifest)
-    if options.kv_dtype == "int8":
-        need(reason is None, f"--kv-dtype int8: {src}: {reason}")
-        return "int8", ""
-    reason = reason or ("--format portable" if options.format != "fast" else None)
-    if reason is None:
-        return "int8", f"KV cache: int8 (--kv-dtype keep for the export's {manifest.kv_dtype})"
-    return None, f"KV cache: {manifest.kv_dtype}, as the export's ({reason})"
+    need(reason is None, f"--kv-dtype {options.kv_dtype}: {src}: {reason}")
+    return options.kv_dtype
 
 
 def calibrated(src: Path, manifest: Manifest, options: QuantizeOptions,

@@ -51,14 +51,12 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
 # at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
 # stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
-# The KV cache: int8 with --bits 4 where the export can hold one ("auto"; kv_int8.py): SmolLM2 int4 mean KL 0.226 ->
-# 0.231, decode +8 % and +20 % with the lone-row stack it makes exact (variant.LONE_EXACT); --bits 8 keeps the
-# export's (an int8 cache would take int8's KL 0.0055 -> 0.0096, past llama.cpp Q8_0's 0.0064).
-CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
-                                     "kv_dtype": "auto"},
-                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
-                                     "kv_dtype": None}}
-KV_DTYPES = ("int8", "auto")  # QuantizeOptions.kv_dtype (None: the export's cache, as it is)
+CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3},
+                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0}}
+# QuantizeOptions.kv_dtype (None: the export's cache, as it is). Not a default: on SmolLM2-135M-Instruct int4 an int8
+# cache decodes plain text 17-30 % faster but greedy speculation on grounded tasks 13-30 % slower (onnxruntime's int8
+# attention runs several rows in its reference kernel), and costs int8 weights KL 0.0055 -> 0.0096 (kv_int8.py)
+KV_DTYPES = ("int8",)
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -83,8 +81,7 @@ class QuantizeOptions:
     groups: tuple[tuple[str, int], ...] = ()  # `--group PATTERN=N`: (pattern, block size) of matmul weights
     head_int8_rows: float = 1.0         # `--lm-head-int8-rows`: the int8 head's rows kept int8 (headsplit.py)
     calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
-    kv_dtype: str | None = None         # `--kv-dtype`: "int8" (kv_int8.py), "auto" (int8 where the export can hold
-                                        # one, fast format), None: the export's cache as it is
+    kv_dtype: str | None = None         # `--kv-dtype int8` (kv_int8.py); None: the export's cache as it is
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -119,7 +116,7 @@ class QuantizeOptions:
              "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
              "a tied lookup)")
         need(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
-             f"--kv-dtype: expected {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+             f"--kv-dtype: expected {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.calibration_text is not None:
             need(Path(self.calibration_text).is_file(),
                  f"--calibration-text: {self.calibration_text}: not a file (expected a UTF-8 text file)")

@@ -227,7 +227,7 @@ def check_onnxruntime(manifest_kv_dtype: str, where: str) -> None:
     found = tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2])
     need(manifest_kv_dtype != "int8" or found >= KV_INT8_ORT,
          f"{where}: its int8 KV cache needs onnxruntime >= {'.'.join(map(str, KV_INT8_ORT))}, this is "
-         f"{ort.__version__} (pip install -U onnxruntime; or quantize it again with --kv-dtype keep)")
+         f"{ort.__version__} (pip install -U onnxruntime, or quantize the fp32 export again without --kv-dtype int8)")
 
 
 def check_io(session: ort.InferenceSession, spec: GraphSpec) -> None:

@@ -136,21 +136,10 @@ def test_what_cannot_hold_an_int8_cache_is_refused(exports, tmp_path: Path) -> N
             quantize_export(src, tmp_path / "out", QuantizeOptions(bits=8, kv_dtype="int8"), progress=False,
                             log=lambda _: None)
         assert not (tmp_path / "out").exists()
-    with pytest.raises(EdgeError, match=r"^--kv-dtype: expected int8 or auto, got 'int4'"):
+    with pytest.raises(EdgeError, match=r"^--kv-dtype: expected int8, got 'int4'"):
         QuantizeOptions(kv_dtype="int4").validate()
     with pytest.raises(EdgeError, match=r"--kv-dtype: expected one of float32, float16, got 'int8' \(an int8 "):
         ExportOptions(kv_dtype="int8").validate()
-
-
-def test_auto_gives_int8_where_the_export_can_hold_it_and_says_so(exports, tmp_path: Path) -> None:
-    standard = export(tmp_path / "std", attention="standard")
-    for src, want, said in ((exports["fp32"], "int8", "KV cache: int8"),
-                            (standard, "float32", "KV cache: float32, as the export's (the cache is written by")):
-        log: list[str] = []
-        quantize_export(src, tmp_path / f"q-{src.name}", QuantizeOptions(bits=8, kv_dtype="auto"), progress=False,
-                        log=log.append)
-        assert read_manifest(tmp_path / f"q-{src.name}").kv_dtype == want
-        assert any(line.startswith(said) for line in log)
 
 
 def test_the_manifest_versions_an_int8_cache(exports) -> None:
@@ -166,9 +155,9 @@ def test_the_cli_quantizes_the_cache_and_info_prints_it(exports, tmp_path: Path,
 
     src = str(exports["fp32"])
     for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float32"),
-                              ("q4", ["--bits", "4"], "int8"), ("q4-keep", ["--bits", "4", "--kv-dtype", "keep"], "float32")):
+                              ("q4", ["--bits", "4"], "float32")):
         assert main(["quantize", src, "-o", str(tmp_path / name), *flags, "--no-progress", "--no-check"]) == 0
-        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # --bits 4's default: int8 where it can
+        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default keeps the export's cache
     capsys.readouterr()
     assert main(["info", str(tmp_path / "int8")]) == 0
     assert "kv_dtype int8," in capsys.readouterr().out

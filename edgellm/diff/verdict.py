@@ -120,9 +120,8 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--lm-head", head]
     if rows is not None and bits == 4:     # as recorded (an int4 head made int8 takes the CLI's default)
         argv += ["--lm-head-int8-rows", f"{rows:g}"]
-    kv = options.get("kv_dtype")  # recorded as QuantizeOptions has it: "int8", "auto" (the --bits 4 default), None
-    if kv == "int8" or (kv is None and bits == 4 and "kv_dtype" in options):
-        argv += ["--kv-dtype", "int8" if kv else "keep"]
+    if options.get("kv_dtype"):
+        argv += ["--kv-dtype", str(options["kv_dtype"])]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
     for layer in fix_layers:
