@@ -160,7 +160,8 @@ def test_the_cli_quantizes_the_cache_and_info_prints_it(exports, tmp_path: Path,
         assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default keeps the export's cache
     capsys.readouterr()
     assert main(["info", str(tmp_path / "int8")]) == 0
-    assert "kv_dtype int8," in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "kv_dtype int8," in out and "per decoded token: stack_lone.decode + head.decode" in out
     assert main(["quantize", str(exports["fp32"]), "-o", str(tmp_path / "bad"), "--bits", "8", "--kv-dtype",
                  "fp8"]) == 2
     assert "--kv-dtype: invalid choice: 'fp8'" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import numpy as np
 
 from edgellm.runtime.manifest import FORMAT, MANIFEST, Manifest, read_manifest
 from edgellm.runtime.session import SessionConfig
-from edgellm.runtime.variant import runs_stack
+from edgellm.runtime.variant import runs_stack, stack_role
 
 
 def is_export(path: Path) -> bool:
@@ -45,8 +45,11 @@ def _per_token(m: Manifest) -> str:
     if m.granularity == "model":
         return "model.decode (1 run)"
     if runs_stack(m, SessionConfig()):
+        stack = stack_role(m, SessionConfig())
         lone = "; sampled runs: stack_lone.decode, no spare attention row" if m.has_lone_stack else ""
-        return f"stack.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`{lone})"
+        if stack == "stack_lone":  # an int8 cache: the lone-row stack's rows are exact (runtime/variant.LONE_EXACT)
+            lone = f"; the lone-row stack, exact with an {m.kv_dtype} cache: no spare attention row"
+        return f"{stack}.decode + head.decode (2 runs; the layer graphs serve `edgellm diff`{lone})"
     return f"embed.decode + layer_0..{m.n_layers - 1}.decode + head.decode ({m.n_layers + 2} runs)"
 
 
