@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import numpy_helper
 
+from edgellm.diff.collect_ort import cache_scales, export_trace, open_engine
 from edgellm.export import ExportOptions, export_model
 from edgellm.quant import kv_int8
 from edgellm.quant.export_dir import quantize_export
@@ -48,13 +47,6 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _scales(directory: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """A layer graph's (k, v) cache scales [n_kv, 1, hd], read from the graph as the kernel reads them."""
-    model = onnx.load(str(directory / f"layer_{layer}.onnx"), load_external_data=False)
-    inits = {t.name: t for t in model.graph.initializer}
-    return tuple(numpy_helper.to_array(inits[f"layers.{layer}.attn.{n}"]) for n in kv_int8.SCALE_NAMES)
-
-
 def test_an_int8_cache_quarters_the_cache_and_holds_round_x_over_scale(exports) -> None:
     d8, d32 = exports["kv8"], exports["fp32"]
     m8 = read_manifest(d8)
@@ -70,7 +62,7 @@ def test_an_int8_cache_quarters_the_cache_and_holds_round_x_over_scale(exports) 
     e32.forward_rows(PROMPT)
     n = len(PROMPT)
     for got, ref, scale in zip((e8.cache.keys[0], e8.cache.values[0]), (e32.cache.keys[0], e32.cache.values[0]),
-                               _scales(d8, 0), strict=True):
+                               cache_scales(d8, m8)[0], strict=True):
         want = np.clip(np.round(ref[:, :, :n] / scale[None]), -128, 127)
         assert np.abs(got[:, :, :n].astype(np.int32) - want).max() <= 1  # a tie at .5 may round either way
         assert (got[:, :, :n] == want).mean() > 0.99
@@ -90,6 +82,14 @@ def test_the_scales_cover_what_calibration_saw_with_the_margin(exports, tmp_path
         engine.forward_rows(seq)
         peak = np.maximum(peak, np.abs(engine.cache.values[1][0, :, :len(seq)]).max(axis=1))
     np.testing.assert_allclose(scales[1][1][:, 0] * 127 / kv_int8.MARGIN, peak, rtol=1e-6)
+
+
+def test_the_diff_reads_an_int8_cache_as_the_kernel_does(exports) -> None:
+    traces = {k: export_trace(open_engine(exports[k], read_manifest(exports[k])), PROMPT) for k in ("fp32", "kv8")}
+    k32, k8 = traces["fp32"].keys[0], traces["kv8"].keys[0]   # layer 0: the same inputs, rows rounded
+    step = cache_scales(exports["kv8"], read_manifest(exports["kv8"]))[0][0]   # [n_kv, 1, hd]; rows [n_kv, T, hd]
+    assert k8.dtype == np.float32 and np.abs(k8 - k32).max() > 0
+    assert np.all(np.abs(k8 - k32) <= step * 0.5 + 1e-6)  # within half a step of the fp32 row: not the raw codes
 
 
 def test_int8_cache_logits_stay_close_to_the_fp32_cache(exports) -> None:

@@ -3,7 +3,8 @@
 A layer-granularity export runs graph by graph (embed -> layer_0..L-1 -> head; never the stack graph), so the
 hidden state after every layer (`hidden_out`) is observed, and the K/V rows each layer wrote are read back from
 the cache. A model-granularity export has only `logits` and `present_*.{i}` as outputs: its K/V rows are
-compared per layer, its hidden states are not observable.
+compared per layer, its hidden states are not observable. An int8 cache's rows are read back as the kernel reads
+them, code * scale (the per-channel scales in each layer graph, quant/kv_int8.py).
 The teacher-forced pass is `Engine.forward_rows`: the runtime's own graph calls (`kvcache.plan_calls`:
 prefill chunks padded with token 0, padded rows never written to the cache), sessions, options and shared
 weight maps, so the numbers are those of what the board runs. Greedy continuations come from the runtime
@@ -16,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
+from edgellm.quant.kv_int8 import SCALE_NAMES
 from edgellm.runtime.engine import Engine, GraphRun
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.kvcache import plan_calls
@@ -47,6 +51,7 @@ def export_trace(engine: Engine, tokens: list[int]) -> Trace:
         elif run.spec.role == "layer":
             hidden[run.spec.layer].append(run.outputs["hidden_out"][0, :run.count].copy())
 
+    scales = cache_scales(engine.directory, m) if m.kv_dtype == "int8" else None
     cache.reset()
     logits = []
     for s, c, _ in plan_calls(len(tokens), m.prefill_chunk, 0, m.max_seq, m.kv_layout):
@@ -54,8 +59,11 @@ def export_trace(engine: Engine, tokens: list[int]) -> Trace:
         rows = np.arange(s, s + c)
         for i in range(m.n_layers):  # the rows as they landed in the cache: [n_kv, c, hd] (zero padding dropped)
             slots = rows % cache.keys[i].shape[2]  # a ring's slots (linear: the rows)
-            keys[i].append(cache.keys[i][0][:, slots, :m.model_head_dim])
-            values[i].append(cache.values[i][0][:, slots, :m.model_head_dim])
+            k, v = cache.keys[i][0][:, slots, :m.model_head_dim], cache.values[i][0][:, slots, :m.model_head_dim]
+            if scales is not None:  # [n_kv, c, hd] codes x [n_kv, 1, hd] scales
+                k, v = (x * sc[..., :m.model_head_dim] for x, sc in zip((k, v), scales[i], strict=True))
+            keys[i].append(k)
+            values[i].append(v)
     return Trace(
         logits=join_rows(logits, 0),
         embed=join_rows(embed, 0) if layered else None,
@@ -63,6 +71,16 @@ def export_trace(engine: Engine, tokens: list[int]) -> Trace:
         keys=[join_rows(rows, 1) for rows in keys],
         values=[join_rows(rows, 1) for rows in values],
     )
+
+
+def cache_scales(directory: Path, m: Manifest) -> list[tuple[np.ndarray, np.ndarray]]:
+    """An int8 cache's (k, v) scales [n_kv, 1, hd] per layer, read from its layer graphs (external data or not)."""
+    out = []
+    for i in range(m.n_layers):
+        path = Path(directory) / m.graph("layer", 1, i).file
+        inits = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+        out.append(tuple(numpy_helper.to_array(inits[f"layers.{i}.attn.{n}"], str(path.parent)) for n in SCALE_NAMES))
+    return out
 
 
 def export_greedy(directory: Path, prompts: list[list[int]], max_new: int, threads: int | None,
