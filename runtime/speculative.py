@@ -133,28 +133,34 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
         gen.engine.reserve_rows(draft_tokens + 1)  # the last token + k drafts: every verification's logits
 
 
-PROBE_ROWS = 4  # decode steps compared with one verification of the same tokens by `rows_exact_here`
+# `rows_exact_here`: a prompt of PROBE_CONTEXT fixed ids, PROBE_STEPS greedy decode steps, then the same tokens as
+# verifications of PROBE_ROWS. On qemu aarch64 (fp32, cortex-a72) the rows part from the fourth position on, at any k:
+# 4 steps after a 1-token prompt saw nothing, 8 did (bench/arm64_rows.py)
+PROBE_CONTEXT, PROBE_STEPS, PROBE_ROWS = 16, 8, 8
 
 
 def rows_exact_here(engine) -> tuple[bool, float]:
-    """(whether, max |difference|): on this machine's kernels, is each of PROBE_ROWS greedy decode steps bit for
-    bit that token's row of one verification? `Engine.exact_rows` says the graphs are built for it (x86: measured
-    equal); another CPU's kernels may still compute one row and several differently (aarch64 under qemu, 2026-11-27:
-    3e-6 fp32, 2e-4 int4 with an fp16 cache, 0.06 int8 on cortex-a76's dot-product kernels), and then greedy
-    speculation could change the text at a near-tie. Fixed token ids after the filled rows; the cache is rewound
-    to where it was."""
+    """(whether, max |difference|): on this machine's kernels, is each greedy decode step bit for bit that token's
+    row of a verification? `Engine.exact_rows` says the graphs are built for it (x86: measured equal); another
+    CPU's kernels may still compute one row and several differently (aarch64 under qemu, 2026-11-27: 3e-6 fp32,
+    2e-4 int4 with an fp16 cache, 0.06 int8 on cortex-a76's dot-product kernels), and then greedy speculation could
+    change the text at a near-tie. A check on one short stretch of context (~10 plain steps), not a proof for
+    every length; the cache is rewound to where it was."""
     cache = engine.cache
     start = cache.length
-    if not engine.exact_rows or cache.free < PROBE_ROWS + 2:
+    context = min(PROBE_CONTEXT, cache.free - PROBE_STEPS - 2)
+    if not engine.exact_rows or context < 1:
         return False, float("inf")
-    logits = engine.forward_columns([7919 % engine.manifest.vocab_size]).copy()  # any id: rows are compared
+    vocab = engine.manifest.vocab_size
+    logits = engine.forward_columns([(7919 * (i + 1)) % vocab for i in range(context)]).copy()  # any ids
     fed, steps = [], []
-    for _ in range(PROBE_ROWS):
+    for _ in range(PROBE_STEPS):
         fed.append(engine.columns.token(logits))
         logits = engine.forward_columns(fed[-1:]).copy()
         steps.append(logits)
-    cache.rewind(start + 1)
-    rows = engine.few_columns(fed).copy()  # [PROBE_ROWS, V]: the same tokens as one verification
+    cache.rewind(start + context)
+    rows = np.concatenate([engine.few_columns(fed[i:i + PROBE_ROWS]).copy()
+                           for i in range(0, PROBE_STEPS, PROBE_ROWS)])  # the same tokens as verifications
     cache.rewind(start)
     diff = float(np.abs(rows - np.stack(steps)).max())
     return diff == 0.0, diff

@@ -89,3 +89,24 @@ def greedy_steps(engine, prompt: list[int], n: int) -> tuple[list[int], np.ndarr
         steps.append(logits)
     engine.cache.rewind(len(prompt))
     return fed, np.stack(steps)
+
+
+def assert_exact_speculation(directory, prompt: list[int]):
+    """Through the Engine a default Generator opens: 16 greedy decode steps equal their rows of verifications of 8,
+    bit for bit, and greedy lookup speculation gives plain decoding's 32 tokens (accepting some drafts). Returns
+    the Engine."""
+    from edgellm.runtime.engine import Engine
+    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.manifest import read_manifest
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+
+    engine = Engine.open(directory, read_manifest(directory))
+    fed, steps = greedy_steps(engine, prompt, 16)
+    rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
+    assert engine.exact_rows and np.array_equal(rows, steps)
+    gen, greedy = Generator.open(directory), SamplingParams(temperature=0)
+    plain = gen.complete(prompt, greedy, StopParams(32), ignore_eos=True, text=False).token_ids
+    gen.speculate("lookup", timed=False)
+    spec = gen.complete(prompt, greedy, StopParams(32), ignore_eos=True, text=False)
+    assert spec.token_ids == plain and spec.speculative["accepted"] > 0
+    return engine

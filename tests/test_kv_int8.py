@@ -20,9 +20,9 @@ from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.manifest import KV_INT8_SINCE, Manifest, read_manifest
-from edgellm.runtime.sampling import SamplingParams, StopParams
+from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.session import SessionConfig
-from tests.export_helpers import greedy_steps, tiny_model
+from tests.export_helpers import assert_exact_speculation, tiny_model
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 256, 10)] * 3
 GREEDY = SamplingParams(temperature=0)
@@ -107,16 +107,8 @@ def test_the_lone_row_stack_is_exact_with_an_int8_cache(exports, name: str) -> N
     d = exports[name]
     m = read_manifest(d)
     assert m.verification["lone_vs_stack"] == 0.0  # quantize's own check: bit for bit
-    engine = Engine.open(d, m)  # the default (exact) config opens the lone-row stack: its rows are exact
-    assert engine.stack_role == "stack_lone" and engine.exact_rows
-    fed, steps = greedy_steps(engine, PROMPT, 16)
-    rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
-    assert np.array_equal(rows, steps)
-    gen = Generator.open(d)
-    plain = gen.complete(PROMPT, GREEDY, StopParams(32), ignore_eos=True, text=False).token_ids
-    gen.speculate("lookup", timed=False)
-    spec = gen.complete(PROMPT, GREEDY, StopParams(32), ignore_eos=True, text=False)
-    assert spec.token_ids == plain and spec.speculative["accepted"] > 0
+    # the default (exact) config opens the lone-row stack: its rows are exact
+    assert assert_exact_speculation(d, PROMPT).stack_role == "stack_lone"
 
 
 def test_an_fp32_cache_keeps_the_spare_row_stack_for_exact_rows(exports) -> None:

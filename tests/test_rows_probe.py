@@ -8,22 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgellm.export import ExportOptions, export_model
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams
 from edgellm.runtime.session import SessionConfig
 from edgellm.runtime.speculative import rows_exact_here
-from tests.export_helpers import tiny_model
+from tests.quant_helpers import export as tiny_export
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 256, 12)]
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("probe") / "fp32"
-    export_model(tiny_model("qwen2", seed=1), out, ExportOptions(max_seq=64, prefill_chunk=8), progress=False,
-                 log=lambda _: None)
-    return out
+    return tiny_export(tmp_path_factory.mktemp("probe"), "qwen2", "layer")[1]
 
 
 def test_the_probe_finds_exact_rows_here_and_leaves_no_trace(export: Path) -> None:
