@@ -2,7 +2,7 @@
 
 The variants form a ladder from small to large (`LADDER`, sizes measured on SmolLM2-135M, docs/benchmarks.md);
 each is quantized with the user's other flags (method, format, symmetry, --keep, ...) on ONE calibration,
-and measured by quantize's own check (KL over CHECK_TOKENS positions the fp32 export samples, export_dir.py).
+and measured by quantize's own check (KL over CHECK_TOKENS positions the fp32 export samples, record.py).
 The first variant within the budget is kept: the ladder is ordered by size, so it is the smallest of them.
 No variant within the budget: a one-line error naming the best KL reached, and no output is left behind.
 """

@@ -46,6 +46,7 @@ class Calibration:
     seed: int
     hessians: dict[str, np.ndarray] = field(default_factory=dict)   # weight -> X^T X [K, K] (GPTQ)
     source: str = ""
+    ids: tuple[tuple[int, ...], ...] = ()  # the token sequences themselves (the int8 cache's ranges reuse them)
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "sequences": self.sequences, "seed": self.seed,
@@ -107,4 +108,5 @@ def calibrate(directory: Path, manifest: Manifest, n_tokens: int, seed: int,
         if progress is not None:
             progress(len(seq))
     return Calibration(runner.act_scales(), runner.sampled(), total, len(sequences), seed, runner.hessians(),
-                       source=f"the first {total} tokens of {Path(text).name}" if text is not None else SAMPLED)
+                       source=f"the first {total} tokens of {Path(text).name}" if text is not None else SAMPLED,
+                       ids=tuple(tuple(s) for s in sequences))

@@ -158,7 +158,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     plan = options.plan(manifest.n_layers, calib.act_scales if calib else None,
                         calib.hessians if calib and options.method == "gptq" else None, promoted, tied)
     migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
-    kv_scales = kv_int8.calibrated(src, manifest, options, progress) if kv_dtype == "int8" else None
+    kv_scales = kv_int8.calibrated(src, manifest, options, progress, calib) if kv_dtype == "int8" else None
     source, manifest = manifest, kv_int8.with_cache(manifest, "int8") if kv_scales else manifest
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports

@@ -31,7 +31,7 @@ from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
 from edgellm.runtime.manifest import KV_INT8_SINCE, Manifest
 
-from .calibrate import sample_sequences, text_sequences
+from .calibrate import Calibration, sample_sequences, text_sequences
 from .options import QuantizeOptions
 
 MARGIN = 2.0
@@ -61,11 +61,17 @@ def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str |
     return options.kv_dtype
 
 
-def calibrated(src: Path, manifest: Manifest, options: QuantizeOptions,
-               progress: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`--kv-dtype int8`: each layer's cache scales, from the fp32 export's K/V on the calibration text."""
-    sequences = text_sequences(src, options.calibration_text, options.calibration_tokens) \
-        if options.calibration_text is not None else sample_sequences(src, options.calibration_tokens, options.seed)
+def calibrated(src: Path, manifest: Manifest, options: QuantizeOptions, progress: bool,
+               calib: Calibration | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`--kv-dtype int8`: each layer's cache scales, from the fp32 export's K/V on the calibration text: the
+    sequences the weights were calibrated on (`calib`), else the same rule's (sampled by the export, or the
+    --calibration-text), so a sampled text is not generated twice."""
+    if calib is not None and calib.ids:
+        sequences: Sequence[Sequence[int]] = calib.ids
+    elif options.calibration_text is not None:
+        sequences = text_sequences(src, options.calibration_text, options.calibration_tokens)
+    else:
+        sequences = sample_sequences(src, options.calibration_tokens, options.seed)
     with tqdm(total=sum(map(len, sequences)), desc="kv ranges", unit="tok", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         return cache_scales(src, manifest, sequences, bar.update)

@@ -35,7 +35,7 @@ def kv_cache_record(scales: list[tuple[np.ndarray, np.ndarray]]) -> dict:
 
 
 def check_export(src: Path, src_manifest: Manifest, tmp: Path, new: Manifest,
-           seed: int) -> tuple[LogitComparison, dict[str, float]]:
+                 seed: int) -> tuple[LogitComparison, dict[str, float]]:
     """fp32 vs quantized logits on one sequence the fp32 export samples (another seed than calibration); and
     the stack graph (if any) vs the layer graphs it was built from, the lone-row stack (if any) vs the stack,
     through the runtime's Engine (the manifest's `verification` keys)."""
