@@ -91,9 +91,9 @@ class Engine:
         self.past_len = np.zeros(1, np.int64)
         self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
         self.total_len = np.zeros((), np.int32)
-        self.weights = SharedWeights(self.directory)
         self.placement = plan(self.directory, manifest, config.prepack_prefill, self.stacked, self.stack_role)
         self.tables = tuple(sorted({rel for p in self.placement.values() for rel in p.tables}))
+        self.weights = SharedWeights(self.directory, self.tables)
         self.table_interval_s = TABLE_INTERVAL_S
         self._tables_released = time.perf_counter()
         self.chunk = manifest.prefill_chunk

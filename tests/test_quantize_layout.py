@@ -11,7 +11,7 @@ import pytest
 from edgellm.cli import main
 from edgellm.model import Decoder
 from edgellm.runtime.manifest import FORMAT_VERSION, read_manifest
-from tests.quant_helpers import export, quantize
+from tests.quant_helpers import OPTIONS, export, quantize
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,38 @@ def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
     assert all(kb > 0 for kb in resident(3600.0, 4))  # the stack reads the table from the runtime's map
     assert resident(0.0, 4) == [0] * 4               # and the runtime releases it
     assert all(kb > 0 for kb in resident(3600.0, 4))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_a_lookup_table_is_mapped_a_page_per_row_read(tmp_path) -> None:
+    """A row read maps the table's page, not the page-cache folio around it: the file is read through first, as
+    the sha256 check does (readahead fills the page cache with large folios, which Linux 6.18 maps whole on a
+    fault); a prefill of rows all over the table then made most of it resident (session._small_pages)."""
+    import os
+
+    from edgellm.export import ExportOptions, export_model
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+    from tests.export_helpers import tiny_model
+
+    src = tmp_path / "fp32"  # a vocabulary of 8192: a table of 8192 int8 rows of 64 = 128 pages
+    export_model(tiny_model("from-scratch", seed=3, vocab_size=8192), src, ExportOptions(granularity="layer", **OPTIONS),
+                 progress=False, log=lambda _: None)
+    q = quantize(src, tmp_path / "q4", bits=4, group_size=32, lm_head="fp32")
+    table = q / "embed.data"
+    size_kb = table.stat().st_size // 1024
+    assert size_kb >= 64, "the table must span many pages for this test to mean anything"
+    with open(table, "rb") as f:  # large folios where the kernel makes them
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while f.read(1 << 20):
+            pass
+    engine = Generator.open(q, config=SessionConfig(threads=1)).engine
+    engine.table_interval_s = 3600.0  # no release between the steps
+    vocab = engine.manifest.vocab_size
+    tokens = [1, vocab // 2, vocab - 1]  # the first, middle and last pages of the table
+    for t in tokens:
+        engine.forward([t])
+    assert 0 < _mapped_kb("embed.data") <= 4 * len(tokens) * 2, (_mapped_kb("embed.data"), size_kb)
 
 
 def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
