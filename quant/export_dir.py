@@ -40,7 +40,7 @@ from edgellm.runtime.manifest import (
 )
 from edgellm.runtime.tokenizer import copy_tokenizer
 
-from . import kv_int8, mixed
+from . import kv_cache, kv_int8, mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate
 from .headsplit import HeadSplit, plan_split, split_head
@@ -138,7 +138,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
          f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
          f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")
-    kv_dtype = kv_int8.cache_type(src, manifest, options)
+    kv_dtype = kv_cache.cache_type(src, manifest, options)
     calib = calibration if options.calibrated else None
     hessians = options.method == "gptq" or options.int8_fraction > 0
     if options.calibrated and (calib is None or (hessians and not calib.hessians)):
@@ -159,14 +159,14 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
                         calib.hessians if calib and options.method == "gptq" else None, promoted, tied)
     migrator = Migrator(plan, calib) if calib is not None and options.method == "awq" else None
     kv_scales = kv_int8.calibrated(src, manifest, options, progress, calib) if kv_dtype == "int8" else None
-    source, manifest = manifest, kv_int8.with_cache(manifest, "int8") if kv_scales else manifest
+    source, manifest = manifest, kv_cache.with_cache(manifest, kv_dtype) if kv_dtype else manifest
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()  # an empty directory the user made for us: atomic_dir replaces only earlier exports
     with atomic_dir(out, marker=MANIFEST) as tmp:
         paired = options.format == "fast" and manifest.kv_layout == "inplace" and manifest.prefill_chunk > 1
         shared = copy_shared(src, manifest.graphs, tmp)   # rope.data: read by every layer, copied as it is
         graphs, reports = _rewrite_all(src, tmp, manifest, plan, migrator, progress, paired, shared, split,
-                                       kv_scales)
+                                       kv_dtype, kv_scales)
         names = sorted(((logical_name(site(r)), r) for r in reports.values()), key=_display_order)
         rels = list(dict.fromkeys(g.file for g in graphs)) + sorted({g.data for g in graphs if g.data}
                                                                    | {r.file for r in shared.values()})
@@ -221,13 +221,13 @@ def _promotions(src: Path, manifest: Manifest, options: QuantizeOptions, calib: 
 
 def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migrator: Migrator | None,
                  progress: bool, paired: bool,
-                 shared: dict[str, Ref], split: HeadSplit | None, kv_scales: list | None,
+                 shared: dict[str, Ref], split: HeadSplit | None, kv_dtype: str | None, kv_scales: list | None,
                  ) -> tuple[list[GraphSpec], dict[tuple[str, str], WeightReport]]:
     """Every graph quantized into `tmp`; with `paired`, each layer's two variants written as one graph
     (edgellm/layout/pairing.py: one session, one packed copy of the weights at run time). `shared`: tensors
     already in `tmp`'s copy of rope.data (copy_shared), pointed at there. `split`: the head's rows split
-    (headsplit.py) in every graph reading its table, after AWQ (which leaves an int8 head alone). `kv_scales`:
-    every layer graph's cache made int8 with these scales (kv_int8.py)."""
+    (headsplit.py) in every graph reading its table, after AWQ (which leaves an int8 head alone). `kv_dtype`:
+    every layer graph's cache made fp16 (kv_cache.py), or int8 with the scales `kv_scales` (kv_int8.py)."""
     store = DataStore(tmp, shared)
     graphs: list[GraphSpec] = []
     stackable: dict[int, list[onnx.ModelProto]] = {}  # S -> embed then layer graphs (in _units order)
@@ -247,6 +247,8 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     found = quantize_model(model, plan) + quantize_tied_gathers(model, plan)
                     if kv_scales:
                         kv_int8.int8_cache(model, kv_scales)
+                    elif kv_dtype == "float16":
+                        kv_cache.fp16_cache(model)
                     prune_initializers(model.graph)
                     done.append((dataclasses.replace(g, data=store.place(model, f"{stem}.data")), model))
                     for r in found:

@@ -16,7 +16,6 @@ x1.2 0.0047). Sampled text stays in a narrower range than real text, which x1.4 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,8 +27,7 @@ from tqdm import tqdm
 
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import TensorSpec
-from edgellm.runtime.manifest import KV_INT8_SINCE, Manifest
+from edgellm.runtime.manifest import Manifest
 
 from .calibrate import Calibration, sample_sequences, text_sequences
 from .options import QuantizeOptions
@@ -38,27 +36,6 @@ MARGIN = 2.0
 FLOOR = 1e-3     # a channel never seen non-zero still gets this fraction of its layer's largest scale
 SCALE_NAMES = ("k_cache_scale", "v_cache_scale")
 SCALE_INPUT = 12  # GroupQueryAttention's k_scale (v_scale 13): inputs 9-11 (positions, bias, sinks) stay empty
-
-
-def refuse_reason(manifest: Manifest) -> str | None:
-    """Why this export cannot get an int8 cache, or None."""
-    if manifest.kv_layout != "inplace" or manifest.granularity != "layer":
-        return "the cache is written by the fused layers only (export with --attention fused --granularity layer)"
-    if manifest.kv_dtype != "float32":
-        return f"the export's cache is {manifest.kv_dtype}; quantize an export made with --kv-dtype float32"
-    if any(r != manifest.dims.layer_rows(0) for r in manifest.dims.all_rows):
-        return "sliding-window layers (their ring caches attend in standard ops) keep float32 caches"
-    return None
-
-
-def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str | None:
-    """The cache type to write: `--kv-dtype int8` (refused, naming why, where the export cannot hold one), or None
-    (the export's)."""
-    if options.kv_dtype is None:
-        return None
-    reason = refuse_reason(manifest)
-    need(reason is None, f"--kv-dtype {options.kv_dtype}: {src}: {reason}")
-    return options.kv_dtype
 
 
 def calibrated(src: Path, manifest: Manifest, options: QuantizeOptions, progress: bool,
@@ -75,16 +52,6 @@ def calibrated(src: Path, manifest: Manifest, options: QuantizeOptions, progress
     with tqdm(total=sum(map(len, sequences)), desc="kv ranges", unit="tok", file=sys.stderr,
               disable=not progress, leave=False) as bar:
         return cache_scales(src, manifest, sequences, bar.update)
-
-
-def with_cache(manifest: Manifest, dtype: str) -> Manifest:
-    """The manifest with its cache tensors (past_* / present_* of every graph) of another type."""
-    def typed(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-        return tuple(dataclasses.replace(t, dtype=dtype) if t.name.startswith(("past_", "present_")) else t
-                     for t in tensors)
-    graphs = tuple(dataclasses.replace(g, inputs=typed(g.inputs), outputs=typed(g.outputs)) for g in manifest.graphs)
-    version = max(KV_INT8_SINCE, manifest.format_version)
-    return dataclasses.replace(manifest, kv_dtype=dtype, graphs=graphs, format_version=version)
 
 
 def cache_scales(directory: Path, manifest: Manifest, sequences: Sequence[Sequence[int]],

@@ -51,12 +51,16 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
 # at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
 # stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
-CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3},
-                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0}}
-# QuantizeOptions.kv_dtype (None: the export's cache, as it is). Not a default: on SmolLM2-135M-Instruct int4 an int8
-# cache decodes plain text 17-30 % faster but greedy speculation on grounded tasks 13-30 % slower (onnxruntime's int8
-# attention runs several rows in its reference kernel), and costs int8 weights KL 0.0055 -> 0.0096 (kv_int8.py)
-KV_DTYPES = ("int8",)
+CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
+                                     "kv_dtype": "auto"},
+                                 8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
+                                     "kv_dtype": "auto"}}
+# QuantizeOptions.kv_dtype: None, the export's cache as it is ("float32": and it must be fp32); "auto" (`edgellm quantize`'s default, CLI_DEFAULTS)
+# float16 where the export can hold one (kv_cache.py: half the bytes, quality and speed within noise); int8 is a flag:
+# on SmolLM2-135M-Instruct int4 it decodes plain text 17-30 % faster but greedy speculation on grounded tasks 13-30 %
+# slower (onnxruntime's int8 attention runs several rows in its reference kernel), and costs int8 weights KL 0.0055
+# -> 0.0096 (kv_int8.py)
+KV_DTYPES = ("auto", "float32", "float16", "int8")
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -81,7 +85,7 @@ class QuantizeOptions:
     groups: tuple[tuple[str, int], ...] = ()  # `--group PATTERN=N`: (pattern, block size) of matmul weights
     head_int8_rows: float = 1.0         # `--lm-head-int8-rows`: the int8 head's rows kept int8 (headsplit.py)
     calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
-    kv_dtype: str | None = None         # `--kv-dtype int8` (kv_int8.py); None: the export's cache as it is
+    kv_dtype: str | None = None         # `--kv-dtype` (kv_cache.py); None: the export's cache as it is
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -120,7 +124,7 @@ class QuantizeOptions:
         if self.calibration_text is not None:
             need(Path(self.calibration_text).is_file(),
                  f"--calibration-text: {self.calibration_text}: not a file (expected a UTF-8 text file)")
-            need(self.calibrated or self.kv_dtype is not None,
+            need(self.calibrated or self.kv_dtype == "int8",
                  "--calibration-text: nothing here calibrates (it is for --method awq/gptq, --int8-fraction, the "
                  "head split of --lm-head-int8-rows and --kv-dtype int8)")
         for pattern in self.keep:

@@ -1,7 +1,8 @@
 """An fp16 KV cache (`export --kv-dtype float16`, manifest format 14 `kv_dtype`): the fused layers cast
 GroupQueryAttention's inputs to fp16 and its output back, the runtime allocates the cache fp16 (half the bytes),
 the logits stay within the fp16 tolerance of PyTorch's, greedy speculation stays bit for bit plain decoding (fp32
-and int4 weights, the lone-row stack too), quantize keeps the cache type, and what cannot hold one is refused."""
+and int4 weights, the lone-row stack too), quantize keeps the cache type or makes an fp32 one fp16 (its
+default), and what cannot hold one is refused."""
 
 from __future__ import annotations
 
@@ -111,3 +112,40 @@ def test_info_prints_the_cache_type_and_its_size(exports, capsys) -> None:
         sizes[dtype] = float(out.split("KV cache ")[1].split(" MB")[0])
         assert f"MB ({dtype}, allocated once" in out
     assert sizes["float16"] * 2 == pytest.approx(sizes["float32"], rel=0.02)
+
+
+def test_quantize_makes_the_cache_fp16_as_export_does(exports, tmp_path: Path) -> None:
+    """`quantize --kv-dtype float16` (and `auto`, the CLI's default) on an fp32-cache export rewrites the layers'
+    attention as `export --kv-dtype float16` writes it (quant/kv_cache.py): the same logits, bit for bit, as
+    quantizing the fp16 export with the same weights; greedy speculation stays exact."""
+    (d16, _), (d32, _) = exports["float16"], exports["float32"]
+    rewritten = quantize(d32, tmp_path / "rewritten", bits=4, method="rtn", kv_dtype="float16")
+    auto = quantize(d32, tmp_path / "auto", bits=4, method="rtn", kv_dtype="auto")
+    kept = quantize(d16, tmp_path / "kept", bits=4, method="rtn")
+    for d in (rewritten, auto, kept):
+        m = read_manifest(d)
+        assert (m.kv_dtype, m.format_version) == ("float16", 14)
+        assert all(t.dtype == "float16" for g in m.graphs for t in (*g.inputs, *g.outputs)
+                   if t.name.startswith(("past_", "present_")))
+    rows = {d.name: Engine.open(d, read_manifest(d)).forward_rows(PROMPT) for d in (rewritten, auto, kept)}
+    assert np.array_equal(rows["rewritten"], rows["kept"]) and np.array_equal(rows["auto"], rows["kept"])
+    assert assert_exact_speculation(rewritten, PROMPT).stack_role == "stack"
+    plain = quantize(d32, tmp_path / "plain", bits=4, method="rtn")  # the API's default: the export's cache
+    assert read_manifest(plain).kv_dtype == "float32"
+
+
+def test_quantize_keeps_a_cache_it_cannot_narrow_and_refuses_to_widen_one(exports, tmp_path: Path) -> None:
+    from edgellm.quant.export_dir import quantize_export
+    from edgellm.quant.options import QuantizeOptions
+
+    std = tmp_path / "std"
+    export_model(tiny_model("llama2", seed=0), std, ExportOptions(max_seq=96, prefill_chunk=8, attention="standard"),
+                 progress=False, log=lambda _: None)
+    assert read_manifest(quantize(std, tmp_path / "auto", bits=8, kv_dtype="auto")).kv_dtype == "float32"
+    for src, dtype, message in ((std, "float16", r"^--kv-dtype float16: .*std: the cache is written by the fused"),
+                                (exports["float16"][0], "float32", r"^--kv-dtype float32: .*the export's cache is "
+                                                                    r"float16")):
+        with pytest.raises(EdgeError, match=message):
+            quantize_export(src, tmp_path / "out", QuantizeOptions(bits=8, kv_dtype=dtype), progress=False,
+                            log=lambda _: None)
+        assert not (tmp_path / "out").exists()

@@ -128,7 +128,7 @@ def test_what_cannot_hold_an_int8_cache_is_refused(exports, tmp_path: Path) -> N
             quantize_export(src, tmp_path / "out", QuantizeOptions(bits=8, kv_dtype="int8"), progress=False,
                             log=lambda _: None)
         assert not (tmp_path / "out").exists()
-    with pytest.raises(EdgeError, match=r"^--kv-dtype: expected int8, got 'int4'"):
+    with pytest.raises(EdgeError, match=r"^--kv-dtype: expected auto, float32, float16, int8, got 'int4'"):
         QuantizeOptions(kv_dtype="int4").validate()
     with pytest.raises(EdgeError, match=r"--kv-dtype: expected one of float32, float16, got 'int8' \(an int8 "):
         ExportOptions(kv_dtype="int8").validate()
@@ -146,10 +146,11 @@ def test_the_cli_quantizes_the_cache_and_info_prints_it(exports, tmp_path: Path,
     from edgellm.cli import main
 
     src = str(exports["fp32"])
-    for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float32"),
-                              ("q4", ["--bits", "4"], "float32")):
+    for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float16"),
+                              ("q4", ["--bits", "4"], "float16"), ("f32", ["--bits", "8", "--kv-dtype", "float32"],
+                                                                   "float32")):
         assert main(["quantize", src, "-o", str(tmp_path / name), *flags, "--no-progress", "--no-check"]) == 0
-        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default keeps the export's cache
+        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default: fp16 (kv_cache.py)
     capsys.readouterr()
     assert main(["info", str(tmp_path / "int8")]) == 0
     out = capsys.readouterr().out

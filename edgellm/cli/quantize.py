@@ -72,11 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lm-head-int8-rows", type=number, default=None, metavar="F",
                    help="--bits 4, int8 lm_head: only this fraction of its vocabulary rows int8, those carrying "
                         "the probability on calibration text; the rest int4 (default 0.3; 1: every row int8)")
-    p.add_argument("--kv-dtype", default=None, choices=("int8",),
-                   help="int8: the KV cache int8, a quarter of fp32's bytes (static per-channel scales calibrated "
-                        "on --calibration-tokens of sampled text, or --calibration-text; a fused export with a "
-                        "float32 cache; runs on onnxruntime >= 1.27): faster plain decoding, slower speculative "
-                        "verification (docs/quantization.md). Default: the export's cache type")
+    p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
+                   help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
+                        "with a float32 cache: half its bytes, quality and speed within noise), else the export's. "
+                        "float32: keep the export's fp32 cache. int8: a quarter of fp32's bytes (static "
+                        "per-channel scales calibrated on --calibration-tokens of sampled text, or "
+                        "--calibration-text; runs on onnxruntime >= 1.27): faster plain decoding, slower "
+                        "speculative verification (docs/quantization.md)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
@@ -117,7 +119,7 @@ def options_from_args(args: argparse.Namespace):
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
         int8_fraction=fraction, groups=tuple(args.group),
         head_int8_rows=_head_rows(args, default), calibration_text=args.calibration_text,
-        kv_dtype=args.kv_dtype)
+        kv_dtype=args.kv_dtype or default["kv_dtype"])
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options

@@ -1,0 +1,96 @@
+"""Which KV cache a quantized export gets (`quantize --kv-dtype`), and the fp16 cache's graph rewrite.
+
+- float16 (`edgellm quantize`'s default where the export can hold it): the fused layers' GroupQueryAttention reads
+  and writes an fp16 cache, half the fp32 cache's bytes, through the Casts `edgellm export --kv-dtype float16`
+  writes (export/fused.py `_attention`): q / k / v and the RoPE tables cast to fp16 in front of the kernel (the
+  tables' Casts fold when the session is created), its output cast back to fp32. Why the default: measured on
+  the export-side cache (docs/benchmarks.md, 2026-11-27): SmolLM2-135M-Instruct KL to the fp32 export int8
+  0.0055 -> 0.0056, int4 0.2262 -> 0.2226 (quality within noise), decode within noise, grounded greedy
+  speculation 1.80x vs 1.69x plain in one run, stories110M int4 peak RSS below llama.cpp's (184-190 vs 191 MB;
+  196-200 with the fp32 cache). The fp32 export itself keeps an fp32 cache: it is the exact one, checked against
+  PyTorch to --atol; a quantized export is already further from it than fp16 rounding takes it.
+- int8: calibrated static scales (kv_int8.py), a flag.
+- None: the export's cache as it is; "float32" too, checking that it is one (`--kv-dtype float32`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from edgellm.runtime.errors import need
+from edgellm.runtime.graphio import TensorSpec
+from edgellm.runtime.manifest import KV_DTYPE_SINCE, KV_INT8_SINCE, Manifest
+
+from .options import QuantizeOptions
+
+CACHE_NAMES = ("past_key.", "past_value.", "present_key.", "present_value.")
+CAST_INPUTS = (0, 1, 2, 7, 8)  # GroupQueryAttention's query (packed q/k/v), key, value, cos_cache, sin_cache
+
+
+def refuse_reason(manifest: Manifest) -> str | None:
+    """Why this export's cache cannot be made another type, or None."""
+    if manifest.kv_layout != "inplace" or manifest.granularity != "layer":
+        return "the cache is written by the fused layers only (export with --attention fused --granularity layer)"
+    if manifest.kv_dtype != "float32":
+        return f"the export's cache is {manifest.kv_dtype}; quantize an export made with --kv-dtype float32"
+    if any(r != manifest.dims.layer_rows(0) for r in manifest.dims.all_rows):
+        return "sliding-window layers (their ring caches attend in standard ops) keep float32 caches"
+    return None
+
+
+def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str | None:
+    """The cache type to write, or None (the export's): `--kv-dtype float16 / int8` (refused, naming why, where the
+    export cannot hold it), `auto` float16 where it can, else the export's."""
+    if options.kv_dtype == "float32":
+        need(manifest.kv_dtype == "float32", f"--kv-dtype float32: {src}: the export's cache is {manifest.kv_dtype} "
+                                             "(quantize keeps or narrows a cache; export with --kv-dtype float32)")
+        return None
+    if options.kv_dtype is None or (options.kv_dtype == "auto" and refuse_reason(manifest) is not None):
+        return None
+    reason = refuse_reason(manifest)
+    need(reason is None, f"--kv-dtype {options.kv_dtype}: {src}: {reason}")
+    return "float16" if options.kv_dtype == "auto" else options.kv_dtype
+
+
+def with_cache(manifest: Manifest, dtype: str) -> Manifest:
+    """The manifest with its cache tensors (past_* / present_* of every graph) of another type."""
+    def typed(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        return tuple(dataclasses.replace(t, dtype=dtype) if t.name.startswith(CACHE_NAMES) else t for t in tensors)
+    graphs = tuple(dataclasses.replace(g, inputs=typed(g.inputs), outputs=typed(g.outputs)) for g in manifest.graphs)
+    version = max(KV_INT8_SINCE if dtype == "int8" else KV_DTYPE_SINCE, manifest.format_version)
+    return dataclasses.replace(manifest, kv_dtype=dtype, graphs=graphs, format_version=version)
+
+
+def fp16_cache(model: onnx.ModelProto) -> int:
+    """Give every GroupQueryAttention of `model` an fp16 cache, as export/fused.py writes one: Casts to fp16 on
+    its float inputs, its output cast back to fp32 under the output's name, past_* / present_* typed fp16.
+    Returns the nodes changed."""
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    changed = 0
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention":
+            nodes.append(node)
+            continue
+        base = node.name or node.output[0]
+        for i in CAST_INPUTS:
+            if i < len(node.input) and node.input[i]:
+                half = f"{base}/{i}/fp16"
+                nodes.append(helper.make_node("Cast", [node.input[i]], [half], name=half, to=TensorProto.FLOAT16))
+                node.input[i] = half
+        out = node.output[0]
+        node.output[0] = f"{base}/out/fp16"
+        nodes.append(node)
+        nodes.append(helper.make_node("Cast", [node.output[0]], [out], name=f"{base}/out/fp32",
+                                      to=TensorProto.FLOAT))
+        changed += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in (*graph.input, *graph.output):
+        if value.name.startswith(CACHE_NAMES):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return changed
