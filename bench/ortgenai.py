@@ -66,20 +66,21 @@ def _timed(cmd: list[str], log: Path) -> None:
     print(f"  {' '.join(cmd[:2])} {Path(cmd[2]).name}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str = "float32") -> Path:
-    """`edgellm export` (+ `quantize`) with the defaults a user gets; `kv_dtype` float16: `export --kv-dtype
-    float16` (the directories then end in -kv16), int8: `quantize --kv-dtype int8` (the quantized one ends in -kv8)."""
+def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str | None = None) -> Path:
+    """`edgellm export` (+ `quantize`) with the defaults a user gets (`kv_dtype` None: the fp32 export's fp32
+    cache, quantize's fp16 one); else that cache type: float16 `export --kv-dtype float16` (the directories end
+    in -kv16), float32 / int8 `quantize --kv-dtype` (the quantized one ends in -kv32 / -kv8)."""
     export_kv = "float16" if kv_dtype == "float16" else "float32"
-    if kv_dtype != "float32":
-        out = out.with_name(out.name + {"float16": "-kv16", "int8": "-kv8"}[kv_dtype])
-    fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32").removesuffix("-kv8"))
+    if kv_dtype is not None:
+        out = out.with_name(out.name + {"float16": "-kv16", "float32": "-kv32", "int8": "-kv8"}[kv_dtype])
+    fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32").removesuffix("-kv8").removesuffix("-kv32"))
     rebuilt = rebuild_if_stale(fp32, lambda: _timed(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
                                                      str(max_seq), "--prefill-chunk", "64", "--kv-dtype", export_kv,
                                                      "--no-progress"], fp32.with_suffix(".log")))
     if precision == "fp32":
         return fp32
     bits = {"int8": "8", "int4": "4"}[precision]
-    more = ["--kv-dtype", "int8"] if kv_dtype == "int8" else []
+    more = ["--kv-dtype", kv_dtype] if kv_dtype in ("float32", "int8") else []
     rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, *more,
                                           "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
     return out
@@ -187,9 +188,10 @@ def main() -> None:
                         "speed drifts over minutes); prints the median of the per-round ratios")
     p.add_argument("--llamacpp", action="store_true", help="llama.cpp (f32 / Q8_0 / Q4_0) in the rotation too")
     p.add_argument("--lone", action="store_true", help="edgellm through its lone-row stack in the rotation too")
-    p.add_argument("--kv-dtype", choices=("float32", "float16", "int8"), default="float32",
-                   help="edgellm's export with this KV cache type (float16: `edgellm export --kv-dtype`; int8: "
-                        "`edgellm quantize --kv-dtype`, quantized precisions only)")
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "int8"), default=None,
+                   help="edgellm's export with this KV cache type (default: what a user gets, an fp32 cache in "
+                        "the fp32 export and fp16 in the quantized ones; float16: `edgellm export --kv-dtype`; "
+                        "float32 / int8: `edgellm quantize --kv-dtype`, quantized precisions only)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
