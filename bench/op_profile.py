@@ -60,7 +60,7 @@ def bind(session: ort.InferenceSession, context: int, rows: int = 1) -> tuple[or
                 shape[2] = GENAI_ROWS
             if not isinstance(i.shape[3], int):
                 shape[3] = 64
-            cache = np.zeros(shape, np.float32)
+            cache = np.zeros(shape, np.float16 if i.type == "tensor(float16)" else np.float32)  # kv_dtype
             inp(n, cache)
             present = n.replace("past_key_values", "present").replace("past_", "present_")
             if present in outputs:
