@@ -9,7 +9,7 @@ between the steps, then each graph under onnxruntime's profiler, per operator ty
 head call at S rows): with --rows 1 beside it, where the extra rows' time goes.
 
 All sessions share one global thread pool (--threads), as `edgellm run` runs them. Inputs are synthesized from
-the graphs' declared inputs (one token, the cache lengths at --context, zero caches; genai's shared KV buffers
+the graphs' declared inputs (one token, the cache lengths at --context, caches of seeded random values; genai's shared KV buffers
 at 1024 rows), outputs bound in place like the runtimes bind them. The profiler adds time to every node, so its
 sums are compared with each other, not with the unprofiled step times.
 """
@@ -60,7 +60,9 @@ def bind(session: ort.InferenceSession, context: int, rows: int = 1) -> tuple[or
                 shape[2] = GENAI_ROWS
             if not isinstance(i.shape[3], int):
                 shape[3] = 64
-            cache = np.zeros(shape, np.float16 if i.type == "tensor(float16)" else np.float32)  # kv_dtype
+            # values, not zeros: onnxruntime's fp16 attention runs all-zero rows at half its speed (docs/benchmarks.md)
+            dtype = np.float16 if i.type == "tensor(float16)" else np.float32  # the export's kv_dtype
+            cache = (np.random.default_rng(1).standard_normal(shape) * 0.5).astype(dtype)
             inp(n, cache)
             present = n.replace("past_key_values", "present").replace("past_", "present_")
             if present in outputs:
