@@ -9,8 +9,8 @@ between the steps, then each graph under onnxruntime's profiler, per operator ty
 head call at S rows): with --rows 1 beside it, where the extra rows' time goes.
 
 All sessions share one global thread pool (--threads), as `edgellm run` runs them. Inputs are synthesized from
-the graphs' declared inputs (one token, the cache lengths at --context, caches of seeded random values; genai's shared KV buffers
-at 1024 rows), outputs bound in place like the runtimes bind them. The profiler adds time to every node, so its
+the graphs' declared inputs (one token, the cache lengths at --context, caches of seeded random values; genai's
+shared KV buffers at 1024 rows), outputs bound in place like the runtimes bind them. The profiler adds time to every node, so its
 sums are compared with each other, not with the unprofiled step times.
 """
 
