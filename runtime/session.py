@@ -86,8 +86,11 @@ def _small_pages(fd: int, data: mmap.mmap) -> None:
     Qwen2.5-0.5B int4 590 -> 528-532 MB, decode unchanged; the first prompt's table pages are read from disk
     (stories110M 64-token prefill 2190 -> 1902 tok/s, SmolLM2 1430 -> 1093; Qwen2.5-0.5B unchanged)."""
     if hasattr(os, "posix_fadvise") and _RANDOM is not None:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        data.madvise(_RANDOM)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            data.madvise(_RANDOM)
+        except OSError:  # advice only: a file system that refuses it (FUSE, some network mounts) loses nothing else
+            pass
 
 
 _LEVELS = {
