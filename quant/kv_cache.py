@@ -5,7 +5,9 @@
   writes (export/fused.py `_attention`): q / k / v and the RoPE tables cast to fp16 in front of the kernel (the
   tables' Casts fold when the session is created), its output cast back to fp32. Why the default: measured on
   the export-side cache (docs/benchmarks.md, 2026-11-27): SmolLM2-135M-Instruct KL to the fp32 export int8
-  0.0055 -> 0.0056, int4 0.2262 -> 0.2226 (quality within noise), decode within noise, grounded greedy
+  0.0055 -> 0.0056, int4 0.2262 -> 0.2226 (quality within noise); decode -1.5 % at stories110M's 64-192 tokens of
+  context, -2 to -6 % at SmolLM2's 300-400 (the Casts; one process per run, and op_profile), +4 % at 800, +21 % at
+  1800 (half the bytes read); grounded greedy
   speculation 1.80x vs 1.69x plain in one run, stories110M int4 peak RSS below llama.cpp's (184-190 vs 191 MB;
   196-200 with the fp32 cache). The fp32 export itself keeps an fp32 cache: it is the exact one, checked against
   PyTorch to --atol; a quantized export is already further from it than fp16 rounding takes it.

@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the probability on calibration text; the rest int4 (default 0.3; 1: every row int8)")
     p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
                    help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
-                        "with a float32 cache: half its bytes, quality and speed within noise), else the export's. "
+                        "with a float32 cache: half its bytes, quality within noise, decode a few %% slower at short contexts and "
+                        "faster at long ones), else the export's. "
                         "float32: keep the export's fp32 cache. int8: a quarter of fp32's bytes (static "
                         "per-channel scales calibrated on --calibration-tokens of sampled text, or "
                         "--calibration-text; runs on onnxruntime >= 1.27): faster plain decoding, slower "
