@@ -47,6 +47,8 @@ def refuse_reason(manifest: Manifest) -> str | None:
 def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str | None:
     """The cache type to write, or None (the export's): `--kv-dtype float16 / int8` (refused, naming why, where the
     export cannot hold it), `auto` float16 where it can, else the export's."""
+    if options.kv_dtype == manifest.kv_dtype:
+        return None  # already that type (an fp16 export asked for float16)
     if options.kv_dtype == "float32":
         need(manifest.kv_dtype == "float32", f"--kv-dtype float32: {src}: the export's cache is {manifest.kv_dtype} "
                                              "(quantize keeps or narrows a cache; export with --kv-dtype float32)")

@@ -121,7 +121,7 @@ def test_quantize_makes_the_cache_fp16_as_export_does(exports, tmp_path: Path) -
     (d16, _), (d32, _) = exports["float16"], exports["float32"]
     rewritten = quantize(d32, tmp_path / "rewritten", bits=4, method="rtn", kv_dtype="float16")
     auto = quantize(d32, tmp_path / "auto", bits=4, method="rtn", kv_dtype="auto")
-    kept = quantize(d16, tmp_path / "kept", bits=4, method="rtn")
+    kept = quantize(d16, tmp_path / "kept", bits=4, method="rtn", kv_dtype="float16")  # already fp16: kept as is
     for d in (rewritten, auto, kept):
         m = read_manifest(d)
         assert (m.kv_dtype, m.format_version) == ("float16", 14)
