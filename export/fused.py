@@ -41,6 +41,7 @@ import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 
+from edgellm.layout.kv_fp16 import fp16_cache
 from edgellm.layout.lone import EXTRA_ROW, ONE, ROWS_END
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
@@ -183,9 +184,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
         att, new_k, new_v = ring_attention(b, p, q, k, v, past_k, past_v, total_len, h, kv, hd, inputs[3].shape[2],
                                            window, cfg.scale)
     else:
-        att, new_k, new_v = _attention(b, p, qkv_in, past_k, past_v, seqlens_k, total_len, rope_in,
-                                       ONNX_TYPES[inputs[3].dtype], num_heads=h, kv_num_heads=kv, scale=float(cfg.scale),
-                                       do_rotary=rotary, rotary_interleaved=interleaved)
+        att, new_k, new_v = _attention(b, p, qkv_in, past_k, past_v, seqlens_k, total_len, rope_in, num_heads=h,
+                                       kv_num_heads=kv, scale=float(cfg.scale), do_rotary=rotary,
+                                       rotary_interleaved=interleaved)
     # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
     branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
     o_scale = np.float32(1.0) if cfg.post_norms else branch
@@ -232,11 +233,13 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
                               b.inits)
     proto = helper.make_model(graph, ir_version=10, producer_name="edgellm",
                               opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    if inputs[3].dtype == "float16":  # an fp16 cache (--kv-dtype float16): Casts around the attention kernel
+        fp16_cache(proto)
     return ir.from_proto(proto), b.weights
 
 
 def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str, seqlens_k: str, total_len: str,
-               rope_in: list[str], cache_type: int, **attrs: int | float) -> list[str]:
+               rope_in: list[str], **attrs: int | float) -> list[str]:
     """GroupQueryAttention on the S real rows and one zero row after them: [1, S, *] -> [1, S, H*hd], the cache
     written in place (the zero row's K/V into the spare row after the real ones, graphio.SPARE_ROWS).
 
@@ -248,22 +251,16 @@ def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str,
     extra row costs one more query row of attention, not a matmul row (but 8-27 % of a decode step: sampled runs
     open the stack without it, edgellm/layout/lone.py). `qkv_in`: [qkv, "", ""] packed or [q, k, v].
 
-    `cache_type` FLOAT16 (manifest kv_dtype float16): the kernel takes one type for all its float inputs, so q, k,
-    v and the RoPE tables are cast to fp16 (the tables' Casts fold at load) and its output back to fp32: the
-    cache holds fp16 rows, the rest of the layer stays fp32. Measured on SmolLM2-135M-Instruct against the fp32
-    cache: KL to the fp32 export 0.0055 -> 0.0056 (int8), decode within noise (docs/benchmarks.md)."""
+    An fp16 cache (manifest kv_dtype float16) is one rewrite of the built graph (`build_layer`,
+    edgellm/layout/kv_fp16.py): Casts around the kernel, the rest of the layer fp32. Measured on
+    SmolLM2-135M-Instruct against the fp32 cache: KL to the fp32 export 0.0055 -> 0.0056 (int8), decode -1.5 to
+    -6 % up to a few hundred tokens of context, +21 % at 1800 (docs/benchmarks.md)."""
     pads = b.const(p + EXTRA_ROW, np.array([0, 0, 0, 0, 1, 0], np.int64))  # [1, S, W] -> [1, S + 1, W]
     padded = [b.op("Pad", [x, pads])[0] for x in qkv_in if x]
     one = b.const(p + ONE, np.array(1, np.int32))
     lengths = [b.op("Add", [seqlens_k, one])[0], b.op("Add", [total_len, one])[0]]
-    half = cache_type == TensorProto.FLOAT16
-    if half:  # after the Pad: the lone stack (layout/lone.py) bypasses the Pad and keeps the Cast
-        padded = [b.op("Cast", [x], to=cache_type)[0] for x in padded]
-        rope_in = [b.op("Cast", [t], to=cache_type)[0] if t else t for t in rope_in]  # "": RoPE done outside
     att, new_k, new_v = b.op("GroupQueryAttention", [*padded, *([""] * (3 - len(padded))), past_k, past_v,
                                                      *lengths, *rope_in], n_out=3, domain=MS, **attrs)
-    if half:
-        att = b.op("Cast", [att], to=TensorProto.FLOAT)[0]
     # drop the extra row: [1, S + 1, H*hd] -> [1, S, H*hd] (ends -1: S-free, so both variants pair)
     starts, ends, axes = (b.const(p + name, np.array([v], np.int64))
                           for name, v in (("attn.rows.start", 0), (ROWS_END, -1), ("attn.rows.axis", 1)))

@@ -25,6 +25,7 @@ import onnx
 from tqdm import tqdm
 
 from edgellm import __version__
+from edgellm.layout.kv_fp16 import fp16_cache
 from edgellm.layout.pairing import pair_layer
 from edgellm.layout.stacking import write_stack
 from edgellm.runtime.errors import EdgeError, need
@@ -248,7 +249,7 @@ def _rewrite_all(src: Path, tmp: Path, manifest: Manifest, plan: QuantPlan, migr
                     if kv_scales:
                         kv_int8.int8_cache(model, kv_scales)
                     elif kv_dtype == "float16":
-                        kv_cache.fp16_cache(model)
+                        fp16_cache(model)
                     prune_initializers(model.graph)
                     done.append((dataclasses.replace(g, data=store.place(model, f"{stem}.data")), model))
                     for r in found:

@@ -2,7 +2,7 @@
 
 - float16 (`edgellm quantize`'s default where the export can hold it): the fused layers' GroupQueryAttention reads
   and writes an fp16 cache, half the fp32 cache's bytes, through the Casts `edgellm export --kv-dtype float16`
-  writes (export/fused.py `_attention`): q / k / v and the RoPE tables cast to fp16 in front of the kernel (the
+  writes (one rewrite for both, edgellm/layout/kv_fp16.py): q / k / v and the RoPE tables cast to fp16 in front of the kernel (the
   tables' Casts fold when the session is created), its output cast back to fp32. Why the default: measured on
   the export-side cache (docs/benchmarks.md, 2026-11-27): SmolLM2-135M-Instruct KL to the fp32 export int8
   0.0055 -> 0.0056, int4 0.2262 -> 0.2226 (quality within noise); decode -1.5 % at stories110M's 64-192 tokens of
@@ -20,17 +20,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import onnx
-from onnx import TensorProto, helper
-
+from edgellm.layout.kv_fp16 import CACHE_NAMES
 from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import TensorSpec
 from edgellm.runtime.manifest import KV_DTYPE_SINCE, KV_INT8_SINCE, Manifest
 
 from .options import QuantizeOptions
-
-CACHE_NAMES = ("past_key.", "past_value.", "present_key.", "present_value.")
-CAST_INPUTS = (0, 1, 2, 7, 8)  # GroupQueryAttention's query (packed q/k/v), key, value, cos_cache, sin_cache
 
 
 def refuse_reason(manifest: Manifest) -> str | None:
@@ -67,34 +62,3 @@ def with_cache(manifest: Manifest, dtype: str) -> Manifest:
     graphs = tuple(dataclasses.replace(g, inputs=typed(g.inputs), outputs=typed(g.outputs)) for g in manifest.graphs)
     version = max(KV_INT8_SINCE if dtype == "int8" else KV_DTYPE_SINCE, manifest.format_version)
     return dataclasses.replace(manifest, kv_dtype=dtype, graphs=graphs, format_version=version)
-
-
-def fp16_cache(model: onnx.ModelProto) -> int:
-    """Give every GroupQueryAttention of `model` an fp16 cache, as export/fused.py writes one: Casts to fp16 on
-    its float inputs, its output cast back to fp32 under the output's name, past_* / present_* typed fp16.
-    Returns the nodes changed."""
-    graph = model.graph
-    nodes: list[onnx.NodeProto] = []
-    changed = 0
-    for node in graph.node:
-        if node.op_type != "GroupQueryAttention":
-            nodes.append(node)
-            continue
-        base = node.name or node.output[0]
-        for i in CAST_INPUTS:
-            if i < len(node.input) and node.input[i]:
-                half = f"{base}/{i}/fp16"
-                nodes.append(helper.make_node("Cast", [node.input[i]], [half], name=half, to=TensorProto.FLOAT16))
-                node.input[i] = half
-        out = node.output[0]
-        node.output[0] = f"{base}/out/fp16"
-        nodes.append(node)
-        nodes.append(helper.make_node("Cast", [node.output[0]], [out], name=f"{base}/out/fp32",
-                                      to=TensorProto.FLOAT))
-        changed += 1
-    del graph.node[:]
-    graph.node.extend(nodes)
-    for value in (*graph.input, *graph.output):
-        if value.name.startswith(CACHE_NAMES):
-            value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    return changed
