@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgellm.diff.collect_ort import cache_scales, export_trace, open_engine
+from edgellm.diff.collect_ort import export_trace, open_engine, stored_cache_scales
 from edgellm.export import ExportOptions, export_model
 from edgellm.quant import kv_int8
 from edgellm.quant.export_dir import quantize_export
@@ -62,7 +62,7 @@ def test_an_int8_cache_quarters_the_cache_and_holds_round_x_over_scale(exports) 
     e32.forward_rows(PROMPT)
     n = len(PROMPT)
     for got, ref, scale in zip((e8.cache.keys[0], e8.cache.values[0]), (e32.cache.keys[0], e32.cache.values[0]),
-                               cache_scales(d8, m8)[0], strict=True):
+                               stored_cache_scales(d8, m8)[0], strict=True):
         want = np.clip(np.round(ref[:, :, :n] / scale[None]), -128, 127)
         assert np.abs(got[:, :, :n].astype(np.int32) - want).max() <= 1  # a tie at .5 may round either way
         assert (got[:, :, :n] == want).mean() > 0.99
@@ -87,7 +87,7 @@ def test_the_scales_cover_what_calibration_saw_with_the_margin(exports, tmp_path
 def test_the_diff_reads_an_int8_cache_as_the_kernel_does(exports) -> None:
     traces = {k: export_trace(open_engine(exports[k], read_manifest(exports[k])), PROMPT) for k in ("fp32", "kv8")}
     k32, k8 = traces["fp32"].keys[0], traces["kv8"].keys[0]   # layer 0: the same inputs, rows rounded
-    step = cache_scales(exports["kv8"], read_manifest(exports["kv8"]))[0][0]   # [n_kv, 1, hd]; rows [n_kv, T, hd]
+    step = stored_cache_scales(exports["kv8"], read_manifest(exports["kv8"]))[0][0]   # [n_kv, 1, hd]; rows [n_kv, T, hd]
     assert k8.dtype == np.float32 and np.abs(k8 - k32).max() > 0
     assert np.all(np.abs(k8 - k32) <= step * 0.5 + 1e-6)  # within half a step of the fp32 row: not the raw codes
 

@@ -51,7 +51,7 @@ def export_trace(engine: Engine, tokens: list[int]) -> Trace:
         elif run.spec.role == "layer":
             hidden[run.spec.layer].append(run.outputs["hidden_out"][0, :run.count].copy())
 
-    scales = cache_scales(engine.directory, m) if m.kv_dtype == "int8" else None
+    scales = stored_cache_scales(engine.directory, m) if m.kv_dtype == "int8" else None
     cache.reset()
     logits = []
     for s, c, _ in plan_calls(len(tokens), m.prefill_chunk, 0, m.max_seq, m.kv_layout):
@@ -73,7 +73,7 @@ def export_trace(engine: Engine, tokens: list[int]) -> Trace:
     )
 
 
-def cache_scales(directory: Path, m: Manifest) -> list[tuple[np.ndarray, np.ndarray]]:
+def stored_cache_scales(directory: Path, m: Manifest) -> list[tuple[np.ndarray, np.ndarray]]:
     """An int8 cache's (k, v) scales [n_kv, 1, hd] per layer, read from its layer graphs (external data or not)."""
     out = []
     for i in range(m.n_layers):
