@@ -57,6 +57,9 @@ class SessionConfig:
     # one (format 13, edgellm/layout/lone.py), 8-27 % faster decode, for sampling (rejection sampling needs no
     # bitwise rows)
     exact: bool = True
+    # which stack graph to open, whatever `exact` and the cache type would pick (variant.stack_role): the checks
+    # that compare the two stacks of one export (edgellm/layout/stacking.check_lone); "auto" everywhere else
+    stack_graph: Literal["auto", "stack", "stack_lone"] = "auto"
     entries: tuple[tuple[str, str], ...] = ()  # more session config entries (tests: the QDQ accuracy level)
 
     def validate(self) -> None:
@@ -68,6 +71,8 @@ class SessionConfig:
              f"prepack_prefill: expected true, false or null, got {self.prepack_prefill!r}")
         need(self.optimization in _LEVELS,
              f"graph optimisation: expected one of {', '.join(_LEVELS)}, got {self.optimization!r}")
+        need(self.stack_graph in ("auto", "stack", "stack_lone"),
+             f"stack_graph: expected auto, stack or stack_lone, got {self.stack_graph!r}")
 
 
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # None: no madvise here (Windows); pages then stay mapped

@@ -79,6 +79,19 @@ def test_the_engine_opens_it_only_when_asked(fp32: Path) -> None:
     assert not layers.stacked and np.array_equal(layers.forward(PROMPT), exact_last(fp32, m))
 
 
+def test_a_named_stack_graph_is_the_one_opened(fp32: Path) -> None:
+    """`SessionConfig.stack_graph` overrides what `exact` and the cache type pick (the stacks' comparison uses it);
+    asking for a lone stack an export does not have is a one-line error."""
+    m = read_manifest(fp32)
+    assert Engine.open(fp32, m, SessionConfig(exact=False, stack_graph="stack")).stack_role == "stack"
+    assert Engine.open(fp32, m, SessionConfig(stack_graph="stack_lone")).stack_role == "stack_lone"
+    no_lone = dataclasses.replace(m, graphs=tuple(g for g in m.graphs if g.role != "stack_lone"))
+    with pytest.raises(EdgeError, match="stack_graph: stack_lone asked for, but the export has no lone-row stack"):
+        Engine.open(fp32, no_lone, SessionConfig(stack_graph="stack_lone"))
+    with pytest.raises(EdgeError, match="stack_graph: expected auto, stack or stack_lone, got 'lone'"):
+        SessionConfig(stack_graph="lone").validate()
+
+
 def exact_last(directory: Path, m) -> np.ndarray:
     return Engine.open(directory, m, SessionConfig(stack=False)).forward(PROMPT).copy()
 
