@@ -62,6 +62,12 @@ CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_f
 # grounded tasks 13-30 % slower (onnxruntime's int8 attention runs several rows in its reference kernel), and costs
 # int8 weights KL 0.0055 -> 0.0096 (kv_int8.py)
 KV_DTYPES = ("auto", "float32", "float16", "int8")
+# QuantizeOptions.scales_dtype: how the fast format stores MatMulNBits' scales (their values are fp16-rounded
+# either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
+# into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
+# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (RSS: SmolLM2-135M int4 -17 MB,
+# Qwen2.5-0.5B int4 -60 MB, for +0.5 bit per weight on disk), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)
+SCALES_DTYPES = {"auto": (8,), "float16": (4, 8), "float32": ()}  # -> QuantPlan.fp16_stored
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -87,6 +93,7 @@ class QuantizeOptions:
     head_int8_rows: float = 1.0         # `--lm-head-int8-rows`: the int8 head's rows kept int8 (headsplit.py)
     calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
     kv_dtype: str | None = None         # `--kv-dtype` (kv_cache.py); None: the export's cache as it is
+    scales_dtype: str = "auto"          # `--scales-dtype` (SCALES_DTYPES)
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -120,6 +127,8 @@ class QuantizeOptions:
         need(not self.split_head or self.format == "fast",
              "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
              "a tied lookup)")
+        need(self.scales_dtype in SCALES_DTYPES,
+             f"--scales-dtype: expected {', '.join(SCALES_DTYPES)}, got {self.scales_dtype!r}")
         need(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
              f"--kv-dtype: expected {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.calibration_text is not None:
@@ -222,7 +231,7 @@ class QuantizeOptions:
              tied: frozenset[str] = frozenset()) -> QuantPlan:
         return QuantPlan(self.chooser(n_layers, promoted), self.format, self.accuracy_level, dict(act_scales or {}),
                          dict(hessians or {}), self.act_order, tight_channel_blocks=True,
-                         fp16_scales=self.fp16_scales, tied=tied)
+                         fp16_scales=self.fp16_scales, fp16_stored=SCALES_DTYPES[self.scales_dtype], tied=tied)
 
     @property
     def calibrated(self) -> bool:

@@ -34,6 +34,7 @@ from .schemes import (
     QuantizedWeight,
     Scheme,
     expand_per_channel,
+    fp16_exact,
     quant_error,
     to_matmulnbits,
     with_fp16_scales,
@@ -87,6 +88,11 @@ class QuantPlan:
     # scales rounded to float16 (codes re-rounded on that grid); the fast format then stores them as fp16
     # and a Cast feeds MatMulNBits (onnxruntime folds it when the session is created: same kernels)
     fp16_scales: bool = False
+    # the MatMulNBits bit widths whose fp16-rounded scales the fast format stores fp16 (+ the Cast); the others
+    # are stored float32, as MatMulNBits reads them: onnxruntime keeps a scale initializer for the session's life
+    # next to its packed copy, and a float32 one the runtime maps and releases (placement.Placement.packed_scales)
+    # where the Cast's folded float32 copy stays resident (options.SCALES_DTYPES)
+    fp16_stored: tuple[int, ...] = (4, 8)
     # tables the lm_head also reads (a tied model's embed.weight): their row lookups are quant/tied.py's, which
     # gathers the lm_head's quantized codes, not a second table of rewrite.py's own
     tied: frozenset[str] = frozenset()
@@ -95,6 +101,10 @@ class QuantPlan:
     def __post_init__(self) -> None:
         need(self.format in FORMATS, f"quantization format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         need(self.accuracy_level in (0, 1, 2, 3, 4), f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+    def half_scales(self, bits: int, scales: np.ndarray) -> bool:
+        """Whether the fast format stores these MatMulNBits scales as float16 (a Cast feeding the kernel)."""
+        return self.fp16_scales and bits in self.fp16_stored and fp16_exact(scales)
 
     def act_scale(self, site: WeightSite) -> np.ndarray | None:
         """Calibration scales [K] for a matmul weight (a Gather's error does not depend on activations)."""

@@ -38,7 +38,7 @@ from .plan import (
     WeightSite,
     by_pattern,
 )
-from .schemes import QuantizedWeight, fp16_exact, pack_nibbles, to_dequantize_linear
+from .schemes import QuantizedWeight, pack_nibbles, to_dequantize_linear
 
 # the plan types lived here first: importers of rewrite keep working
 __all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "WeightReport", "WeightSite",
@@ -127,7 +127,7 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan) 
     for suffix, value in (("q", arr.b), ("scales", arr.scales), ("zp", arr.zero_points)):
         if value is None:
             continue
-        if suffix == "scales" and plan.fp16_scales and fp16_exact(value):
+        if suffix == "scales" and plan.half_scales(arr.bits, value):
             # stored fp16; MatMulNBits takes the activations' type, so a Cast (folded at session creation)
             half, size = b.array(f"{name}.scales16", value.astype(np.float16))
             n = b.fresh(f"{name}.scales")

@@ -31,7 +31,7 @@ from edgellm.runtime.errors import need
 
 from .onnxedit import require_opset
 from .plan import QuantPlan, WeightReport, WeightSite
-from .schemes import QuantizedWeight, fp16_exact, to_dequantize_linear
+from .schemes import QuantizedWeight, to_dequantize_linear
 
 
 def _tied_gathers(graph: onnx.GraphProto, tied: frozenset[str]) -> list[tuple[int, str, bool]]:
@@ -81,7 +81,7 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
     arr = plan.nbits(qw)
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     nb, bs = arr.b.shape[1], arr.block_size
-    half = plan.fp16_scales and fp16_exact(arr.scales)     # the head's fp16 copy (rewrite.py), cast per row
+    half = plan.half_scales(arr.bits, arr.scales)          # the head's fp16 copy (rewrite.py), cast per row
     b = inits.add(f"{base}.q", arr.b)
     scales = inits.add(f"{base}.scales16", arr.scales.astype(np.float16)) if half else \
         inits.add(f"{base}.scales", arr.scales)

@@ -138,6 +138,9 @@ class GraphInfo:
     # initializers the main graph reads only as a Gather's table (input 0): an embedding lookup touches a few
     # rows per step, so its pages are worth releasing between runs (placement.plan)
     gathered: frozenset[str] = frozenset()
+    # initializers the main graph reads only as MatMulNBits' scales (input 2): onnxruntime packs them with the
+    # weights when it pre-packs, yet keeps its own copy for the session's life (placement.plan maps them instead)
+    nbits_scales: frozenset[str] = frozenset()
 
 
 def read_graph_info(path: Path) -> GraphInfo:
@@ -149,6 +152,7 @@ def read_graph_info(path: Path) -> GraphInfo:
         external: list[ExternalTensor] = []
         ops: set[str] = set()
         tables: set[str] = set()  # Gather's input 0
+        scales: set[str] = set()  # MatMulNBits' input 2
         other: set[str] = set()   # every other input of a main-graph node
         for field, wire, value in _fields(buf, 0, len(buf)):
             if field != _MODEL_GRAPH or wire != 2:
@@ -165,8 +169,12 @@ def read_graph_info(path: Path) -> GraphInfo:
                     if types[:1] == ["Gather"] and inputs:
                         tables.add(inputs[0])
                         inputs = inputs[1:]
+                    elif types[:1] == ["MatMulNBits"] and len(inputs) > 2:
+                        scales.add(inputs[2])
+                        inputs = inputs[:2] + inputs[3:]
                     other.update(inputs)
-        return GraphInfo(external, frozenset(ops), frozenset(tables - other))
+        return GraphInfo(external, frozenset(ops), frozenset(tables - other - scales),
+                         frozenset(scales - other - tables))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:
         raise EdgeError(f"{path}: not a readable ONNX model ({err})") from None
 

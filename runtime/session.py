@@ -22,6 +22,9 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -285,6 +288,37 @@ def open_placed(path: Path, spec: GraphSpec, where: Placement, config: SessionCo
     declared I/O against the manifest: the one way the runtime, and the diff that mirrors it, open graphs."""
     options = session_options(config, where.prepack)
     weights.add_to(options, path, where.info, where.mapped)
-    session = open_session(path, options)
+    with _released_while(weights, where.packed_scales):
+        session = open_session(path, options)
     check_io(session, spec)
     return session
+
+
+# while onnxruntime packs a graph's weights, the scales it has copied are dropped this often: from the shared map,
+# they would otherwise all be resident at the end of the session's creation, on top of the packed copy
+# (Qwen2.5-0.5B int4: 45 MB of float32 scales, load peak 505 MB against 470 steady)
+PACKING_RELEASE_S = 0.01
+
+
+@contextmanager
+def _released_while(weights: SharedWeights, files: tuple[str, ...]) -> Iterator[None]:
+    """Release `files` (`SharedWeights.release`) every PACKING_RELEASE_S from another thread while the block
+    runs, and once after it. A page released before onnxruntime read it is read again from the file (clean,
+    read-only file pages: dropping one loses nothing), so the interleaving cannot change a value."""
+    if not files:
+        yield
+        return
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(PACKING_RELEASE_S):
+            weights.release(files)
+
+    worker = threading.Thread(target=loop, name="edgellm-release", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        worker.join()
+        weights.release(files)

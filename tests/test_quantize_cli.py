@@ -235,7 +235,8 @@ def test_mixed_precision_flags_reach_the_graphs(tied, tmp_path) -> None:
     head = read_manifest(out).quantization["weights"]["lm_head.weight"]
     assert (head["bits"], head["block_size"]) == (4, 32)
     assert read_manifest(out).quantization["options"]["lm_head"] == "int4"
-    assert ops(out / "embed.decode.onnx")["Gather"] == [onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT16]  # codes, fp16 scales
+    # codes, and the int4 head's scales as MatMulNBits reads them (float32: --scales-dtype auto)
+    assert ops(out / "embed.decode.onnx")["Gather"] == [onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT]
     assert read_manifest(out).graph("embed", 1).data == "head.data"
     e = read_manifest(out).quantization["weights"]["embed.weight"]
     assert e["shared_with"] == "lm_head" and e["bytes_after"] == 0

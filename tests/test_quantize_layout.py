@@ -163,3 +163,35 @@ def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
     assert "per decoded token: stack.decode + head.decode (2 runs" in int4
     sizes = [line for line in int4.splitlines() if line.startswith("size: ")]
     assert len(sizes) == 1 and float(sizes[0].split()[1]) > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_float32_scales_leave_the_rss_once_packed(tied, tmp_path) -> None:
+    """`--scales-dtype auto` stores int4 weights' scales float32, as MatMulNBits reads them (int8's stay float16
+    behind a Cast); the runtime hands them to the pre-packed sessions from its own maps and drops their pages
+    once packed (onnxruntime keeps the initializer for the session's life: its own map, or the float32 copy it
+    folds a Cast into). The same fp16-rounded values either way: the same logits, bit for bit."""
+    import onnx
+
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+
+    _, src = tied
+    auto = quantize(src, tmp_path / "auto", bits=4, group_size=32, int8_layers=(0,))
+    half = quantize(src, tmp_path / "half", bits=4, group_size=32, int8_layers=(0,), scales_dtype="float16")
+    stack = onnx.load(str(auto / "stack.onnx"), load_external_data=False)
+    dtypes = {t.name: t.data_type for t in stack.graph.initializer}
+    scales = {n.attribute[[a.name for a in n.attribute].index("bits")].i: dtypes.get(n.input[2])
+              for n in stack.graph.node if n.op_type == "MatMulNBits"}
+    assert scales == {4: onnx.TensorProto.FLOAT, 8: None}  # int8's: a Cast's output
+    engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
+    place = engines[0].placement["stack.decode"]
+    assert place.prepack and place.packed_scales and engines[1].placement["stack.decode"].packed_scales == ()
+    files = [Path(f).name for f in place.packed_scales]
+    assert all(_mapped_kb(f) == 0 for f in files)  # released once packed
+    prompt = list(range(1, 12))
+    assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
+    for t in (5, 9, 200):
+        assert np.array_equal(engines[0].forward([t]), engines[1].forward([t]))
+    assert np.array_equal(engines[0].few_rows([7, 8, 9]), engines[1].few_rows([7, 8, 9]))
+    assert all(_mapped_kb(f) == 0 for f in files), files  # the kernels never read them again
