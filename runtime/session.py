@@ -101,6 +101,19 @@ def _small_pages(fd: int, data: mmap.mmap) -> None:
             pass
 
 
+def _drop_cached(path: Path) -> None:
+    """`_small_pages`' page-cache drop again, for a table file a session has since read itself."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -171,6 +184,15 @@ class SharedWeights:
                 array = np.frombuffer(data, dtype, count, t.offset).reshape(t.shape)
                 self._values[key] = ort.OrtValue.ortvalue_from_numpy(array)
             options.add_initializer(t.name, self._values[key])
+
+    def drop_cached_tables(self) -> None:
+        """Drop the page cache of the table files mapped so far, as their mapping did (`_small_pages`): a session
+        that loads such a file itself (a tied head, whose codes the embedding gathers) reads it back into large
+        folios, which the table's next faults would map whole (Qwen2.5-0.5B int4: 49 MB of head.data resident
+        after a 64-token prefill, against 0.3)."""
+        for rel in self._maps:
+            if rel in self.tables:
+                _drop_cached(safe_join(self.directory, rel))
 
     def release(self, rels: tuple[str, ...]) -> None:
         """Drop these files' pages from this process's RSS (they stay in the page cache; the next read
@@ -290,6 +312,7 @@ def open_placed(path: Path, spec: GraphSpec, where: Placement, config: SessionCo
     weights.add_to(options, path, where.info, where.mapped)
     with _released_while(weights, where.packed_scales):
         session = open_session(path, options)
+    weights.drop_cached_tables()
     check_io(session, spec)
     return session
 
