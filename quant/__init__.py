@@ -1,7 +1,8 @@
 """edgellm.quant: weight-only int8/int4 quantization of exported ONNX graphs (onnx + numpy; onnxruntime
 for calibration and checks).
 
-    schemes.py     integer codes, (de)quantization, the MatMulNBits and DequantizeLinear packings
+    schemes.py     integer codes, (de)quantization, error
+    packing.py     the MatMulNBits and DequantizeLinear packings of a quantized weight
     methods.py     how scales are chosen: rtn, mse (optionally activation-weighted)
     gptq.py        GPTQ's error-compensating rounding against a calibration Hessian (--method gptq)
     mixed.py       --int8-fraction: which linears get int8, by measured output-error sensitivity

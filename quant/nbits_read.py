@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from edgellm.runtime.errors import need
 
-from .schemes import NBitsArrays
+from .packing import NBitsArrays
 
 
 def _constant(graph: onnx.GraphProto, name: str) -> np.ndarray:

@@ -28,17 +28,8 @@ from edgellm.runtime.errors import need
 
 from .gptq import gptq_quantize
 from .methods import QuantSpec, quantize_weight
-from .schemes import (
-    NBitsArrays,
-    QuantError,
-    QuantizedWeight,
-    Scheme,
-    expand_per_channel,
-    fp16_exact,
-    quant_error,
-    to_matmulnbits,
-    with_fp16_scales,
-)
+from .packing import NBitsArrays, expand_per_channel, to_matmulnbits
+from .schemes import QuantError, QuantizedWeight, Scheme, fp16_exact, quant_error, with_fp16_scales
 
 Format = Literal["fast", "portable"]  # MatMulNBits (onnxruntime) | DequantizeLinear + MatMul (any runtime)
 FORMATS: tuple[Format, ...] = get_args(Format)

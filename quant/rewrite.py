@@ -30,6 +30,7 @@ from edgellm.runtime.errors import need
 
 from .methods import QuantSpec
 from .onnxedit import prune_initializers, require_opset
+from .packing import pack_nibbles, to_dequantize_linear
 from .plan import (
     DEFAULT_ACCURACY_LEVEL,
     FORMATS,
@@ -38,7 +39,7 @@ from .plan import (
     WeightSite,
     by_pattern,
 )
-from .schemes import QuantizedWeight, pack_nibbles, to_dequantize_linear
+from .schemes import QuantizedWeight
 
 # the plan types lived here first: importers of rewrite keep working
 __all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "WeightReport", "WeightSite",

@@ -30,8 +30,9 @@ from onnx import TensorProto, helper, numpy_helper
 from edgellm.runtime.errors import need
 
 from .onnxedit import require_opset
+from .packing import to_dequantize_linear
 from .plan import QuantPlan, WeightReport, WeightSite
-from .schemes import QuantizedWeight, to_dequantize_linear
+from .schemes import QuantizedWeight
 
 
 def _tied_gathers(graph: onnx.GraphProto, tied: frozenset[str]) -> list[tuple[int, str, bool]]:

@@ -14,7 +14,8 @@ from onnx import numpy_helper
 from edgellm.cli import main
 from edgellm.quant.headsplit import choose_rows, part_name, row_importance, split_head, split_order
 from edgellm.quant.nbits_read import read_nbits
-from edgellm.quant.schemes import Scheme, dequantize, from_matmulnbits, quantize
+from edgellm.quant.packing import from_matmulnbits
+from edgellm.quant.schemes import Scheme, dequantize, quantize
 from edgellm.runtime.manifest import FORMAT_VERSION, read_manifest
 from tests.quant_helpers import export
 from tests.quant_helpers import quantize as quantize_export
@@ -117,7 +118,8 @@ def test_quantized_split_head_is_two_kernels_and_one_shared_copy(tied, tmp_path,
         assert np.array_equal(row, table[token])
     data = m.graph("head", 1).data                                     # the table's one copy lives there
     assert data == read_manifest(whole).graph("head", 1).data == m.graph("embed", 1).data
-    saved = 0.75 * v * d * (8.5 - 4.5) / 8                              # int8 g32 vs int4 g32, fp16 scales
+    # int8 g32 (fp16 scales) vs int4 g32 (float32 scales: --scales-dtype auto), less the lookup's int32 row positions
+    saved = 0.75 * v * d * (8.5 - 5.0) / 8 - 4 * v
     assert (whole / data).stat().st_size - (out / data).stat().st_size >= saved
     assert main(["info", str(out)]) == 0
     assert "lm_head int8 (25% of its rows, the rest int4)" in capsys.readouterr().out

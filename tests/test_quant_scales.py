@@ -68,20 +68,27 @@ def tied(tmp_path_factory):
     return export(tmp_path_factory.mktemp("tied"), "from-scratch", "layer")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_fast_export_stores_fp16_scales_and_sizes_add_up(tied, tmp_path, bits: int) -> None:
-    """Every MatMulNBits reads its scales through a Cast of a float16 initializer, and the manifest's bytes
-    per weight are its codes + 2 bytes per block (+ packed zero points)."""
+@pytest.mark.parametrize(("bits", "scales_dtype", "half"), [(4, "auto", False), (4, "float16", True),
+                                                           (8, "auto", True), (8, "float32", False)])
+def test_fast_export_stores_scales_as_asked_and_sizes_add_up(tied, tmp_path, bits: int, scales_dtype: str,
+                                                              half: bool) -> None:
+    """`--scales-dtype auto` stores 4-bit weights' scales float32, read by MatMulNBits directly, and 8-bit ones as a
+    float16 initializer behind a Cast (float16 / float32: every weight so); the manifest's bytes per weight are its
+    codes + 2 or 4 bytes per block (+ packed zero points). The values are fp16-rounded either way."""
     _, src = tied
-    out = quantize_export(src, tmp_path / "q", bits=bits)
+    out = quantize_export(src, tmp_path / "q", bits=bits, scales_dtype=scales_dtype)
 
     weights = read_manifest(out).quantization["weights"]
     for f in sorted(out.glob("layer_*.onnx")):
         model = onnx.load(str(f))                          # external data from the export directory
         inits = {t.name: t for t in model.graph.initializer}
         for node in (n for n in model.graph.node if n.op_type == "MatMulNBits"):
-            cast = next(n for n in model.graph.node if n.op_type == "Cast" and n.output[0] == node.input[2])
-            assert inits[cast.input[0]].data_type == onnx.TensorProto.FLOAT16
             arr = read_nbits(model.graph, node)
             name = node.input[1].removesuffix(".q")
-            assert weights[name]["bytes_after"] == arr.b.nbytes + arr.scales.size * 2
+            assert fp16_exact(arr.scales)
+            if half:
+                cast = next(n for n in model.graph.node if n.op_type == "Cast" and n.output[0] == node.input[2])
+                assert inits[cast.input[0]].data_type == onnx.TensorProto.FLOAT16
+            else:
+                assert inits[node.input[2]].data_type == onnx.TensorProto.FLOAT
+            assert weights[name]["bytes_after"] == arr.b.nbytes + arr.scales.size * (2 if half else 4)

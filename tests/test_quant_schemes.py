@@ -8,20 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgellm.quant.methods import quantize_weight, weighted_sq_error
-from edgellm.quant.schemes import (
+from edgellm.quant.packing import (
     NBitsArrays,
-    Scheme,
-    dequantize,
     expand_per_channel,
     from_matmulnbits,
     pack_nibbles,
-    quant_error,
-    quantize,
-    to_blocks,
     to_dequantize_linear,
     to_matmulnbits,
     unpack_nibbles,
 )
+from edgellm.quant.schemes import Scheme, dequantize, quant_error, quantize, to_blocks
 from edgellm.runtime.errors import EdgeError
 
 SCHEMES = [Scheme(bits, bs, sym) for bits in (4, 8) for bs in (0, 16, 32, 64, 128, 256) for sym in (True, False)]

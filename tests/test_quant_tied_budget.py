@@ -14,7 +14,8 @@ from edgellm.cli import main
 from edgellm.quant.budget import LADDER, smallest_within
 from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.options import QuantizeOptions
-from edgellm.quant.schemes import dequantize, from_matmulnbits
+from edgellm.quant.packing import from_matmulnbits
+from edgellm.quant.schemes import dequantize
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.manifest import read_manifest
 from tests.quant_helpers import export, quantize
