@@ -65,8 +65,8 @@ KV_DTYPES = ("auto", "float32", "float16", "int8")
 # QuantizeOptions.scales_dtype: how the fast format stores MatMulNBits' scales (their values are fp16-rounded
 # either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
 # into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
-# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (RSS: SmolLM2-135M int4 -17 MB,
-# Qwen2.5-0.5B int4 -60 MB, for +0.5 bit per weight on disk), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)
+# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
+# Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)
 SCALES_DTYPES = {"auto": (8,), "float16": (4, 8), "float32": ()}  # -> QuantPlan.fp16_stored
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how the fast format stores the weights' block scales (their values are fp16-rounded "
                         "either way). auto (default): float32 for 4-bit weights (+0.5 bit per weight on disk; the "
                         "runtime drops them from RAM once packed, where onnxruntime keeps a float32 copy of fp16 "
-                        "ones: SmolLM2-135M int4 -17 MB RSS), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)")
+                        "ones: SmolLM2-135M int4 -15 MB peak RSS), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
