@@ -49,39 +49,13 @@ from edgellm.runtime.graphio import TensorSpec
 
 from .fused_heads import cache_head_dim, pad_heads, rope_in_gqa
 from .fused_ring import ring_attention
+from .graph_builder import GraphBuilder, to_numpy
 from .rewrite import ONNX_TYPES
 
 MS = "com.microsoft"
 
 
-class _Builder:
-    """Nodes and initializers of one graph; `weights` collects the state-dict tensors (for the data file)."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.weights: set[str] = set()
-        self._n = 0
-
-    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
-        self._n += 1
-        outs = [f"{op_type.lower()}_{self._n}" + (f"_{j}" if n_out > 1 else "") for j in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=f"{op_type}_{self._n}", domain=domain,
-                                           **attrs))
-        return outs
-
-    def const(self, name: str, array: np.ndarray, weight: bool = False) -> str:
-        self.inits.append(onnx.numpy_helper.from_array(np.ascontiguousarray(array), name))
-        if weight:
-            self.weights.add(name)
-        return name
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).numpy()
-
-
-def _rms_norm(b: _Builder, x: str, weight: str, eps: float, clamp: bool) -> str:
+def _rms_norm(b: GraphBuilder, x: str, weight: str, eps: float, clamp: bool) -> str:
     """RMSNorm over the last axis in standard ops: x / sqrt(mean(x^2) + eps) * w, the pattern onnxruntime fuses
     into its SimplifiedLayerNormalization kernel (which has no ONNX schema at opset 20, so the graph cannot
     name it and still pass the ONNX checker); or seed 000's clamp, max(mean(x^2), eps), which stays unfused."""
@@ -109,7 +83,7 @@ def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.n
 
     def per_freq(t: torch.Tensor) -> np.ndarray:
         t = t[0, 0]
-        return _np(t[:, : cfg.hd // 2] if cfg.rope_style == "half" else t[:, 0::2])
+        return to_numpy(t[:, : cfg.hd // 2] if cfg.rope_style == "half" else t[:, 0::2])
     if q_scale is None:
         return per_freq(cos), per_freq(sin)
     c, s, qs, ks = per_freq(cos), per_freq(sin), per_freq(q_scale), per_freq(k_scale)
@@ -132,16 +106,16 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")
     clamp = cfg.norm_eps_mode == "clamp"
     p = f"layers.{layer}."
-    b = _Builder()
+    b = GraphBuilder()
     hidden, seqlens_k, total_len, past_k, past_v = (t.name for t in inputs)
     _, present_k, present_v = (t.name for t in outputs[:3])
 
     # attention branch: [1,S,D] -> qkv [1,S,(H+2KV)hd]
     x = _first_norm(b, hidden, block.attn_norm, p + "attn_norm", cfg)
-    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", pad_heads(_np(block.attn.qkv.weight).T, hd_real, hd),
+    qkv = b.op("MatMul", [x, b.const(p + "attn.qkv.weight", pad_heads(to_numpy(block.attn.qkv.weight).T, hd_real, hd),
                                      True)])[0]
     if cfg.qkv_biased:
-        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", pad_heads(_np(block.attn.qkv.bias), hd_real, hd),
+        qkv = b.op("Add", [qkv, b.const(p + "attn.qkv.bias", pad_heads(to_numpy(block.attn.qkv.bias), hd_real, hd),
                                         True)])[0]
     rope_outside = cfg.rotary and (not rope_in_gqa(cfg) or window is not None)  # XPos, a head size GQA's RoPE refuses, a ring
     separate = cfg.qk_norm or rope_outside  # q, k, v as three tensors (else GroupQueryAttention takes packed qkv)
@@ -155,7 +129,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
             # padded heads: mean over hd of x^2 = (hd/hd_real) * mean over hd_real, so the same norm is eps scaled
             # by hd_real/hd and weights by sqrt(hd_real/hd) (zeros in the padding, which stays zero)
             shrink = hd_real / hd
-            w = pad_heads(_np(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
+            w = pad_heads(to_numpy(getattr(block.attn, f"{name}_norm").weight) * np.float32(shrink ** 0.5), hd_real, hd)
             t = _rms_norm(b, t, b.const(f"{p}attn.{name}_norm.weight", w, True), cfg.norm_eps * shrink, clamp)
             t = b.op("Reshape", [t, b.const(f"{p}{name}.flat", np.array([1, seq, heads * hd], np.int64))])[0]
             q, k = (t, k) if name == "q" else (q, t)
@@ -190,13 +164,13 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
     branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
     o_scale = np.float32(1.0) if cfg.post_norms else branch
-    o = pad_heads(_np(block.attn.o.weight) * o_scale[..., None], hd_real, hd).T  # [H*hd, D]
+    o = pad_heads(to_numpy(block.attn.o.weight) * o_scale[..., None], hd_real, hd).T  # [H*hd, D]
     a = b.op("MatMul", [att, b.const(p + "attn.o.weight", np.ascontiguousarray(o), True)])[0]
     if cfg.post_norms:
-        a = _rms_norm(b, a, b.const(p + "attn_post_norm.weight", _np(block.attn_post_norm.weight) * branch, True),
+        a = _rms_norm(b, a, b.const(p + "attn_post_norm.weight", to_numpy(block.attn_post_norm.weight) * branch, True),
                       cfg.norm_eps, clamp)
 
-    o_bias = (b.const(p + "attn.o.bias", _np(block.attn.o.bias) * branch, True) if cfg.linear_bias else None)
+    o_bias = (b.const(p + "attn.o.bias", to_numpy(block.attn.o.bias) * branch, True) if cfg.linear_bias else None)
 
     # MLP branch, on the residual stream hidden + a (+ o's bias)
     y, res = _skip_norm(b, a, hidden, o_bias, block.mlp_norm, p + "mlp_norm", cfg)
@@ -210,21 +184,21 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
             act = b.op("Mul", [gate, b.op("Sigmoid", [gate])[0]])[0]
         act = b.op("Mul", [act, up])[0]
     else:  # GELU with up's bias inside the activation kernel
-        up = b.op("MatMul", [y, b.const(p + "mlp.up.weight", _np(block.mlp.up.weight).T, True)])[0]
-        bias = [b.const(p + "mlp.up.bias", _np(block.mlp.up.bias), True)] if cfg.linear_bias else []
+        up = b.op("MatMul", [y, b.const(p + "mlp.up.weight", to_numpy(block.mlp.up.weight).T, True)])[0]
+        bias = [b.const(p + "mlp.up.bias", to_numpy(block.mlp.up.bias), True)] if cfg.linear_bias else []
         if cfg.mlp_kind == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's
             act = b.op("FastGelu", [up, *bias], domain=MS)[0]
         else:
             act = b.op("BiasGelu" if bias else "Gelu", [up, *bias], domain=MS)[0]
     branch = _branch_scale(block, "ls_mlp")
     if cfg.post_norms:  # the scale goes after the post-norm (a norm would undo it on the weights)
-        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T, True)])[0]
-        d = _rms_norm(b, d, b.const(p + "mlp_post_norm.weight", _np(block.mlp_post_norm.weight) * branch, True),
+        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", to_numpy(block.mlp.down.weight).T, True)])[0]
+        d = _rms_norm(b, d, b.const(p + "mlp_post_norm.weight", to_numpy(block.mlp_post_norm.weight) * branch, True),
                       cfg.norm_eps, clamp)
     else:
-        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", _np(block.mlp.down.weight).T * branch, True)])[0]
+        d = b.op("MatMul", [act, b.const(p + "mlp.down.weight", to_numpy(block.mlp.down.weight).T * branch, True)])[0]
         if cfg.linear_bias:
-            d = b.op("Add", [d, b.const(p + "mlp.down.bias", _np(block.mlp.down.bias) * branch, True)])[0]
+            d = b.op("Add", [d, b.const(p + "mlp.down.bias", to_numpy(block.mlp.down.bias) * branch, True)])[0]
     out = b.op("Add", [res, d])[0]
 
     # name the graph outputs: rename the producing nodes' outputs
@@ -238,7 +212,7 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     return ir.from_proto(proto), b.weights
 
 
-def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str, seqlens_k: str, total_len: str,
+def _attention(b: GraphBuilder, p: str, qkv_in: list[str], past_k: str, past_v: str, seqlens_k: str, total_len: str,
                rope_in: list[str], **attrs: int | float) -> list[str]:
     """GroupQueryAttention on the S real rows and one zero row after them: [1, S, *] -> [1, S, H*hd], the cache
     written in place (the zero row's K/V into the spare row after the real ones, graphio.SPARE_ROWS).
@@ -267,22 +241,22 @@ def _attention(b: _Builder, p: str, qkv_in: list[str], past_k: str, past_v: str,
     return [b.op("Slice", [att, starts, ends, axes])[0], new_k, new_v]
 
 
-def _first_norm(b: _Builder, x: str, norm: torch.nn.Module, name: str, cfg: ModelConfig) -> str:
+def _first_norm(b: GraphBuilder, x: str, norm: torch.nn.Module, name: str, cfg: ModelConfig) -> str:
     """The attention branch's norm: RMSNorm in fusable standard ops, or LayerNormalization (weight and bias)."""
-    w = b.const(name + ".weight", _np(norm.weight), True)
+    w = b.const(name + ".weight", to_numpy(norm.weight), True)
     if cfg.norm_kind == "layer":
-        return b.op("LayerNormalization", [x, w, b.const(name + ".bias", _np(norm.bias), True)], axis=-1,
+        return b.op("LayerNormalization", [x, w, b.const(name + ".bias", to_numpy(norm.bias), True)], axis=-1,
                     epsilon=cfg.norm_eps)[0]
     return _rms_norm(b, x, w, cfg.norm_eps, cfg.norm_eps_mode == "clamp")
 
 
-def _skip_norm(b: _Builder, a: str, hidden: str, bias: str | None, norm: torch.nn.Module, name: str,
+def _skip_norm(b: GraphBuilder, a: str, hidden: str, bias: str | None, norm: torch.nn.Module, name: str,
                cfg: ModelConfig) -> tuple[str, str]:
     """(norm(hidden + a + bias), hidden + a + bias): the residual add and the MLP's norm in one kernel (Skip[Simplified]
     LayerNormalization, bias in its bias input), or plain ops for the clamped RMSNorm."""
-    w = b.const(name + ".weight", _np(norm.weight), True)
+    w = b.const(name + ".weight", to_numpy(norm.weight), True)
     if cfg.norm_kind == "layer":
-        beta = b.const(name + ".bias", _np(norm.bias), True)
+        beta = b.const(name + ".bias", to_numpy(norm.bias), True)
         y, _, _, res = b.op("SkipLayerNormalization", [a, hidden, w, beta, *([bias] if bias else [])], n_out=4,
                             domain=MS, epsilon=cfg.norm_eps)
         return y, res
@@ -296,18 +270,18 @@ def _skip_norm(b: _Builder, a: str, hidden: str, bias: str | None, norm: torch.n
     return y, res
 
 
-def _linear(b: _Builder, x: str, linear: torch.nn.Linear, name: str) -> str:
+def _linear(b: GraphBuilder, x: str, linear: torch.nn.Linear, name: str) -> str:
     """MatMul(x, W^T) (+ bias)."""
-    y = b.op("MatMul", [x, b.const(name + ".weight", _np(linear.weight).T, True)])[0]
+    y = b.op("MatMul", [x, b.const(name + ".weight", to_numpy(linear.weight).T, True)])[0]
     if linear.bias is not None:
-        y = b.op("Add", [y, b.const(name + ".bias", _np(linear.bias), True)])[0]
+        y = b.op("Add", [y, b.const(name + ".bias", to_numpy(linear.bias), True)])[0]
     return y
 
 
 def _branch_scale(block: torch.nn.Module, gamma: str) -> np.ndarray | float:
     """What multiplies a branch's output columns: LayerScale gamma [D] times the depth scale, or 1."""
     cfg = block.cfg
-    g = _np(getattr(block, gamma)) if cfg.layerscale_init is not None else np.float32(1.0)
+    g = to_numpy(getattr(block, gamma)) if cfg.layerscale_init is not None else np.float32(1.0)
     return (g * np.float32(cfg.residual_scale)).astype(np.float32)
 
 

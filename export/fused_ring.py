@@ -27,7 +27,7 @@ from onnx import TensorProto, numpy_helper
 def ring_attention(b, p: str, q: str, k: str, v: str, past_k: str, past_v: str, total_len: str,
                    heads: int, kv: int, hd: int, rows: int, window: int, scale: float) -> tuple[str, str, str]:
     """q [1,S,H*hd], k/v [1,S,KV*hd] (RoPE applied), past_* [1,KV,R,hd] -> (attention [1,S,H*hd], present_k,
-    present_v). `b` is fused._Builder; `p` the layer's initializer prefix."""
+    present_v). `b` is a graph_builder.GraphBuilder; `p` the layer's initializer prefix."""
     made: dict[str, str] = {}
 
     def const(name: str, value: np.ndarray) -> str:  # made once per name; 0-d stays 0-d (Range takes scalars)
