@@ -170,7 +170,8 @@ def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
     assert f"format: edgellm-export {FORMAT_VERSION}" in fp32 and "precision: fp32" in fp32
     assert "per decoded token: stack.decode + head.decode (2 runs" in fp32
     assert "max relative |onnx - torch|" in fp32
-    assert "precision: int4 g32 sym rtn, format fast (accuracy level 4), lm_head int4, embeddings int8" in int4
+    assert ("precision: int4 g32 sym rtn, format fast (accuracy level 4, scales float32 for 4-bit weights, float16 "
+            "for 8-bit), lm_head int4, embeddings int8") in int4
     assert "per decoded token: stack.decode + head.decode (2 runs" in int4
     sizes = [line for line in int4.splitlines() if line.startswith("size: ")]
     assert len(sizes) == 1 and float(sizes[0].split()[1]) > 0

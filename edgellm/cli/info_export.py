@@ -30,8 +30,16 @@ def _precision(m: Manifest) -> str:
     linears = f"int{bits}" + (" per channel" if block == 0 else f" g{block if block is not None else '?'}")
     fmt = o.get("format", "?")
     return (f"{linears} {'sym' if o.get('symmetric', True) else 'asym'} {o.get('method', '?')}, format {fmt}"
-            + (f" (accuracy level {q.get('accuracy_level', '?')})" if fmt == "fast" else "")
+            + (f" (accuracy level {q.get('accuracy_level', '?')}{_scales(o)})" if fmt == "fast" else "")
             + f", lm_head {o.get('lm_head') or f'int{bits}'}{_rows(o)}, embeddings {o.get('embeddings', '?')}")
+
+
+def _scales(options: dict) -> str:
+    """How the block scales are stored (quant/options.SCALES_DTYPES; not recorded before --scales-dtype)."""
+    kind = options.get("scales_dtype")
+    if kind == "auto":
+        return ", scales float32 for 4-bit weights, float16 for 8-bit"
+    return f", scales {kind}" if kind in ("float16", "float32") else ""
 
 
 def _rows(options: dict) -> str:
