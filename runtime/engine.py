@@ -6,9 +6,9 @@ Two layouts (manifest `granularity`):
   (the lone-row stack of format 13 instead when `SessionConfig.exact` is off: edgellm/layout/lone.py).
 - "model": one session per S.
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
-once). Every buffer a graph reads or writes is allocated here once and bound once (see `session.BoundGraph`); a
-step only writes the token ids and position inputs in place, runs the graphs, and copies each layer's
-new K/V rows into the cache with `KVCache.write` (the one cache-update rule). With kv_layout "inplace" (fused
+once). Every buffer a graph reads or writes is allocated once (wiring.py: which graph binds which) and bound
+once (see `session.BoundGraph`); a step only writes the token ids and position inputs in place, runs the
+graphs, and copies each layer's new K/V rows into the cache with `KVCache.write` (the one cache-update rule). With kv_layout "inplace" (fused
 layer graphs) each layer's present_* is bound to its cache buffers themselves: the graph writes the rows.
 
 Prefill runs the prompt in chunks of S = prefill_chunk; the last chunk is padded with token 0 and only its
@@ -56,6 +56,7 @@ from .session import (
     open_placed,
 )
 from .variant import LONE_EXACT, GraphRun, Hook, Variant, runs_stack, stack_role
+from .wiring import Lengths, wire_layers, wire_model, wire_stack
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
@@ -88,9 +89,8 @@ class Engine:
         lone_exact = manifest.kv_dtype in LONE_EXACT
         self.exact_rows = self.any_rows and manifest.dims.spare > 0 and (self.stack_role == "stack" or lone_exact)
         self.in_place = manifest.kv_layout == "inplace"
-        self.past_len = np.zeros(1, np.int64)
-        self.seqlens_k = np.zeros(1, np.int32)  # inplace layers: GroupQueryAttention's lengths
-        self.total_len = np.zeros((), np.int32)
+        # the cache-length inputs every graph reads (wiring.Lengths), written in place by each step
+        self.lengths = Lengths(np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros((), np.int32))
         self.placement = plan(self.directory, manifest, config.prepack_prefill, self.stacked, self.stack_role)
         self.tables = tuple(sorted({rel for p in self.placement.values() for rel in p.tables}))
         self.weights = SharedWeights(self.directory, self.tables)
@@ -138,23 +138,15 @@ class Engine:
     def _build(self, seq: int) -> Variant:
         m = self.manifest
         v = Variant(seq)
-        common = {"positions": v.positions, "past_len": self.past_len}
         if not self.layered:
-            v.add_present(m.n_layers, m)
-            v.logits = np.zeros((1, seq, m.vocab_size), np.float32)
-            inputs = {"tokens": v.tokens, **common}
-            outputs = {"logits": v.logits}
-            for i in range(m.n_layers):
-                inputs[f"past_key.{i}"], inputs[f"past_value.{i}"] = self.cache.keys[i], self.cache.values[i]
-                outputs[f"present_key.{i}"], outputs[f"present_value.{i}"] = v.keys[i], v.values[i]
-            self._bind(v, "model", seq, None, inputs, outputs)
+            wire_model(v, m, self.cache, self.lengths, self._bind)
             v.body, v.release = list(v.graphs), [self.placement[v.specs[0].name].release]
             v.releases = any(v.release)
             return v
         if self.stacked:
-            self._bind_stack(v)
+            wire_stack(v, m, self.cache, self.stack_role, self.lengths, self._bind)
         else:
-            self._bind_layers(v)
+            wire_layers(v, m, self.cache, self.in_place, self.lengths, self._bind)
         v.body = list(v.graphs)
         v.release = [self.placement[g.where].release for g in v.body]
         v.releases = any(v.release)
@@ -165,48 +157,11 @@ class Engine:
 
     def _bind(self, v: Variant, role: str, seq: int, layer: int | None, inputs: dict[str, np.ndarray],
               outputs: dict[str, np.ndarray], spec_seq: int | None = None) -> None:
-        """Open (or share) the graph's session, bind its buffers and append it to the variant. `spec_seq`: the
-        manifest variant whose (paired, S-symbolic) session runs this S (few_rows)."""
+        """Open (or share) the graph's session, bind its buffers and append it to the variant (wiring.Bind).
+        `spec_seq`: the manifest variant whose (paired, S-symbolic) session runs this S (few_rows)."""
         session, spec = self._session(role, spec_seq or seq, layer)
         v.graphs.append(BoundGraph(session, inputs, outputs, self.clock, spec.name))
         v.specs.append(spec)
-
-    def _bind_layers(self, v: Variant) -> None:
-        """embed -> layer_0 .. layer_{N-1}, one session each."""
-        m, seq = self.manifest, v.seq
-        if not self.in_place:
-            v.add_present(m.n_layers, m)
-        # hidden states ping-pong between two [1, S, D] buffers: a graph never reads the buffer it writes
-        hidden = [np.zeros((1, seq, m.dim), np.float32) for _ in range(2)]
-        self._bind(v, "embed", seq, None, {"tokens": v.tokens, **self._embed_positions(v)}, {"hidden": hidden[0]})
-        if self.in_place:
-            common = {"seqlens_k": self.seqlens_k, "total_len": self.total_len}
-        else:
-            common = {"positions": v.positions, "past_len": self.past_len}
-        for i in range(m.n_layers):
-            inputs = {"hidden": hidden[i % 2], **common,
-                      f"past_key.{i}": self.cache.keys[i], f"past_value.{i}": self.cache.values[i]}
-            present = (self.cache.keys[i], self.cache.values[i]) if self.in_place else (v.keys[i], v.values[i])
-            outputs = {"hidden_out": hidden[(i + 1) % 2], f"present_key.{i}": present[0],
-                       f"present_value.{i}": present[1]}
-            self._bind(v, "layer", seq, i, inputs, outputs)
-        v.hidden_out = hidden[m.n_layers % 2]
-
-    def _bind_stack(self, v: Variant, spec_seq: int | None = None) -> None:
-        """The stack graph: embedding and every layer in one session, writing every cache in place."""
-        m, seq = self.manifest, v.seq
-        v.hidden_out = np.zeros((1, seq, m.dim), np.float32)
-        inputs = {"tokens": v.tokens, **self._embed_positions(v), "seqlens_k": self.seqlens_k,
-                  "total_len": self.total_len}
-        outputs = {"hidden_out": v.hidden_out}
-        for i in range(m.n_layers):
-            inputs[f"past_key.{i}"] = outputs[f"present_key.{i}"] = self.cache.keys[i]
-            inputs[f"past_value.{i}"] = outputs[f"present_value.{i}"] = self.cache.values[i]
-        self._bind(v, self.stack_role, seq, None, inputs, outputs, spec_seq)
-
-    def _embed_positions(self, v: Variant) -> dict[str, np.ndarray]:
-        """The embedding's `positions` input, for models with an absolute position table (format 8)."""
-        return {"positions": v.positions} if self.manifest.dims.embed_positions else {}
 
     # ------------------------------------------------------------------------------------------ running
 
@@ -268,7 +223,7 @@ class Engine:
         if v is None:
             self.reserve_rows(n)  # a no-op unless n outgrows the buffer
             v = self._few[n] = Variant(n)
-            self._bind_stack(v, spec_seq=1)
+            wire_stack(v, self.manifest, self.cache, self.stack_role, self.lengths, self._bind, spec_seq=1)
             v.body, v.release = list(v.graphs), [()]
             v.logits = self._few_logits[:, :n]
             self._bind(v, "head", n, None, {"hidden": v.hidden_out}, {"logits": v.logits}, spec_seq=1)
@@ -310,10 +265,10 @@ class Engine:
         if count < v.seq:
             v.tokens[0, count:] = 0
         if self.in_place:
-            self.seqlens_k[0] = length + v.seq - 1
-            self.total_len[()] = length + v.seq
+            self.lengths.seqlens_k[0] = length + v.seq - 1
+            self.lengths.total_len[()] = length + v.seq
         else:
-            self.past_len[0] = length
+            self.lengths.past_len[0] = length
         if v.seq == 1:  # (inplace layers read no positions; an absolute position table does)
             v.positions[0, 0] = length
         else:  # padded rows get valid positions too (clamped): their values are never used
