@@ -8,8 +8,9 @@ Two layouts (manifest `granularity`):
 Which sessions pre-pack their weights and which read them in place is `placement.plan`'s (weights are held
 once). Every buffer a graph reads or writes is allocated once (wiring.py: which graph binds which) and bound
 once (see `session.BoundGraph`); a step only writes the token ids and position inputs in place, runs the
-graphs, and copies each layer's new K/V rows into the cache with `KVCache.write` (the one cache-update rule). With kv_layout "inplace" (fused
-layer graphs) each layer's present_* is bound to its cache buffers themselves: the graph writes the rows.
+graphs, and copies each layer's new K/V rows into the cache with `KVCache.write` (the one cache-update rule).
+With kv_layout "inplace" (fused layer graphs) each layer's present_* is bound to its cache buffers themselves:
+the graph writes the rows.
 
 Prefill runs the prompt in chunks of S = prefill_chunk; the last chunk is padded with token 0 and only its
 real rows are written to the cache (padding comes after the real tokens, so the causal mask keeps it out
