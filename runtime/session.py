@@ -82,27 +82,27 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # None: no madvise here (Windo
 _RANDOM = getattr(mmap, "MADV_RANDOM", None)
 
 
-def _small_pages(fd: int, data: mmap.mmap) -> None:
+def _small_pages(data: mmap.mmap) -> None:
     """Map a lookup table one 4 KiB page per row read, not one page-cache folio. A prefill reads rows all over
     the table, and Linux 6.18 maps the whole large folio around each faulting address (up to 2 MiB; large folios
-    come from readahead, i.e. from the sha256 check or the export that wrote the file): a 64-token prompt made
-    22 of stories110M int4's 24.7 MB table resident at once, on top of everything else (peak RSS 221 -> 197 MB).
-    So the file's cached pages are dropped (where no other process maps them; clean pages, nothing is lost) and
-    the map read without readahead: each fault then reads and maps one page (one small I/O per table page first
-    read: a 4 KiB page holds 4-7 rows of a 576-896 wide int8 table). Measured in separate processes, the file
-    put back in large folios before each (2026-11-27): peak RSS stories110M int4 202-204 -> 191-196 MB,
-    Qwen2.5-0.5B int4 590 -> 528-532 MB, decode unchanged; the first prompt's table pages are read from disk
-    (stories110M 64-token prefill 2190 -> 1902 tok/s, SmolLM2 1430 -> 1093; Qwen2.5-0.5B unchanged)."""
-    if hasattr(os, "posix_fadvise") and _RANDOM is not None:
+    come from readahead, i.e. from the sha256 check, the export that wrote the file, or a session that loaded the
+    file itself): a 64-token prompt made 22 of stories110M int4's 24.7 MB table resident at once, on top of
+    everything else (peak RSS 221 -> 197 MB). So the map is read without readahead, and once a session is open the
+    file's cached pages are dropped (`_drop_cached`, from `SharedWeights.drop_cached_tables`): each fault then
+    reads and maps one page (one small I/O per table page first read: a 4 KiB page holds 4-7 rows of a 576-896
+    wide int8 table). Measured in separate processes, the file put back in large folios before each (2026-11-27):
+    peak RSS stories110M int4 202-204 -> 191-196 MB, Qwen2.5-0.5B int4 590 -> 528-532 MB, decode unchanged; the
+    first prompt's table pages are read from disk (stories110M 64-token prefill 2190 -> 1902 tok/s, SmolLM2 1430
+    -> 1093; Qwen2.5-0.5B unchanged)."""
+    if _RANDOM is not None:
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             data.madvise(_RANDOM)
         except OSError:  # advice only: a file system that refuses it (FUSE, some network mounts) loses nothing else
             pass
 
 
 def _drop_cached(path: Path) -> None:
-    """`_small_pages`' page-cache drop again, for a table file a session has since read itself."""
+    """Drop a file's pages from the page cache (where no process maps them: clean pages, nothing is lost)."""
     if hasattr(os, "posix_fadvise"):
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -110,7 +110,7 @@ def _drop_cached(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-        except OSError:
+        except OSError:  # advice only, as above
             pass
 
 
@@ -158,7 +158,7 @@ class SharedWeights:
                 with open(path, "rb") as f:
                     data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                     if rel in self.tables:
-                        _small_pages(f.fileno(), data)
+                        _small_pages(data)
                     self._maps[rel] = data
             except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
                 raise EdgeError(f"{path}: cannot map the weights ({err})") from None
@@ -186,10 +186,10 @@ class SharedWeights:
             options.add_initializer(t.name, self._values[key])
 
     def drop_cached_tables(self) -> None:
-        """Drop the page cache of the table files mapped so far, as their mapping did (`_small_pages`): a session
-        that loads such a file itself (a tied head, whose codes the embedding gathers) reads it back into large
-        folios, which the table's next faults would map whole (Qwen2.5-0.5B int4: 49 MB of head.data resident
-        after a 64-token prefill, against 0.3)."""
+        """Drop the page cache of the table files mapped so far (`_small_pages`), after each session opens: the
+        sha256 check read them in large folios, and a session that loads such a file itself (a tied head, whose
+        codes the embedding gathers) reads it back into them (Qwen2.5-0.5B int4: 49 MB of head.data resident after
+        a 64-token prefill when the drop came only at mapping time, against 0.3)."""
         for rel in self._maps:
             if rel in self.tables:
                 _drop_cached(safe_join(self.directory, rel))
