@@ -1,4 +1,4 @@
-"""Which KV cache a quantized export gets (`quantize --kv-dtype`), and the fp16 cache's graph rewrite.
+"""Which KV cache a quantized export gets (`quantize --kv-dtype`), and its manifest (`with_cache`).
 
 - float16 (`edgellm quantize`'s default where the export can hold it): the fused layers' GroupQueryAttention reads
   and writes an fp16 cache, half the fp32 cache's bytes, through the Casts `edgellm export --kv-dtype float16`
@@ -48,9 +48,9 @@ def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str |
         need(manifest.kv_dtype == "float32", f"--kv-dtype float32: {src}: the export's cache is {manifest.kv_dtype} "
                                              "(quantize keeps or narrows a cache; export with --kv-dtype float32)")
         return None
-    if options.kv_dtype is None or (options.kv_dtype == "auto" and refuse_reason(manifest) is not None):
-        return None
     reason = refuse_reason(manifest)
+    if options.kv_dtype is None or (options.kv_dtype == "auto" and reason is not None):
+        return None
     need(reason is None, f"--kv-dtype {options.kv_dtype}: {src}: {reason}")
     return "float16" if options.kv_dtype == "auto" else options.kv_dtype
 
