@@ -40,24 +40,29 @@ from stale import rebuild_if_stale  # noqa: E402
 # name -> `edgellm quantize` flags (None: the fp32 export itself). Rows compared with a llama.cpp file's size store
 # their scales fp16 (--scales-dtype float16: Q4_0's 4.5 bits per weight); the default int4 row is what a user gets
 EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
+           # the --bits 4 default on weights that lie on no 4-bit grid (AWQ, split table): --block-min auto finds
+           # SmolLM2's Q4_1 grid and keeps it (the row above), so this is what a bf16 checkpoint's default does
+           "int4 awq": ["--bits", "4", "--block-min", "off"],
            # the default before the head split: every row of the table int8
-           "int4 table8": ["--bits", "4", "--lm-head-int8-rows", "1", "--scales-dtype", "float16"],
+           "int4 table8": ["--bits", "4", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
-           "int4 rtn": ["--bits", "4", "--method", "rtn", "--lm-head-int8-rows", "1", "--scales-dtype", "float16"],
+           "int4 rtn": ["--bits", "4", "--method", "rtn", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
+           # the tied table int4 and --block-min auto (on SmolLM2's Q4_1 grid: on): under Q4_0's size
+           "int4 head4 min": ["--bits", "4", "--lm-head", "int4"],
            # the tied table int4 too (one shared copy): the smallest, above Q4_0's KL
-           "int4 head4": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16"],
+           "int4 head4": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16", "--block-min", "off"],
            # a k-quant-like mix: the 25 % most sensitive linears (measured on calibration text) int8
            "int4 rtn mix25": ["--bits", "4", "--method", "rtn", "--int8-fraction", "0.25", "--lm-head-int8-rows", "1",
-                              "--scales-dtype", "float16"],
+                              "--scales-dtype", "float16", "--block-min", "off"],
            # the closest to Q4_K_M's KL at <= its size: scales per 16 weights and the 16 % most sensitive int8
            # (block 16 decodes ~25 % slower than 32 on onnxruntime 1.32's x86 kernels: not a default)
            "int4 g16 mix16": ["--bits", "4", "--group-size", "16", "--int8-fraction", "0.16", "--lm-head-int8-rows", "1",
-                              "--scales-dtype", "float16"],
+                              "--scales-dtype", "float16", "--block-min", "off"],
            # int8 with o's scales per 64 weights: Q8_0's size (issue 22, step 4)
            "int8 o64": ["--bits", "8", "--group", "layers.*.attn.o=64"],
            # the old default with down's scales per 64 weights: Q4_0's size (the smaller setting before the split)
            "int4 down64": ["--bits", "4", "--group", "layers.*.mlp.down=64", "--lm-head-int8-rows", "1",
-                           "--scales-dtype", "float16"]}
+                           "--scales-dtype", "float16", "--block-min", "off"]}
 SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
 T0 = time.perf_counter()
 

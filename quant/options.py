@@ -52,9 +52,14 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
 # stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
 CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
-                                     "kv_dtype": "auto"},
+                                     "kv_dtype": "auto", "block_min": "auto"},
                                  8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
-                                     "kv_dtype": "auto"}}
+                                     "kv_dtype": "auto", "block_min": "off"}}
+# QuantizeOptions.block_min: 4-bit linears with a float offset per block (schemes.Scheme.offsets, llama.cpp Q4_1's
+# layout: +1 bit per weight, a block-sum MatMul and an Add per linear). "auto", the CLI's --bits 4 default: on when
+# every 4-bit linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it then keeps exactly
+# (offset_grid.py); "on" also for float weights (rounded min..max: --method rtn); "off": never
+BLOCK_MINS = ("auto", "on", "off")
 # QuantizeOptions.kv_dtype: None, the export's cache as it is ("float32": and it must be an fp32 one); "auto", the
 # CLI's default: float16 where the export can hold one (kv_cache.py: half the bytes, quality within noise, decode
 # -2 to -6 % at a few hundred tokens of context and +21 % at 1800);
@@ -66,8 +71,11 @@ KV_DTYPES = ("auto", "float32", "float16", "int8")
 # either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
 # into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
 # packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
-# Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)
-SCALES_DTYPES = {"auto": (8,), "float16": (4, 8), "float32": ()}  # -> QuantPlan.fp16_stored
+# Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk; with block minima their offsets too, 6 bits per weight
+# on disk: SmolLM2 103.5 MB, 25 MB less RSS once open than fp16's 5 bits, Q4_1's), float16 for 8-bit ones (Q8_0's
+# 8.5 bits per weight)
+SCALES_DTYPES = {"auto": ("int8",), "float16": ("int4", "int8", "int4-min"),
+                 "float32": ()}  # -> QuantPlan.fp16_stored
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 
@@ -94,6 +102,7 @@ class QuantizeOptions:
     calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
     kv_dtype: str | None = None         # `--kv-dtype` (kv_cache.py); None: the export's cache as it is
     scales_dtype: str = "auto"          # `--scales-dtype` (SCALES_DTYPES)
+    block_min: str = "off"              # `--block-min` (BLOCK_MINS)
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -129,6 +138,15 @@ class QuantizeOptions:
              "a tied lookup)")
         need(self.scales_dtype in SCALES_DTYPES,
              f"--scales-dtype: expected {', '.join(SCALES_DTYPES)}, got {self.scales_dtype!r}")
+        need(self.block_min in BLOCK_MINS, f"--block-min: expected {', '.join(BLOCK_MINS)}, got {self.block_min!r}")
+        if self.block_min == "on":
+            need(self.bits == 4 and self.format == "fast" and self.symmetric,
+                 "--block-min on: only with --bits 4 and --format fast, without --asymmetric (the offset "
+                 "replaces its zero point)")
+            need(self.method == "rtn", f"--block-min on: rounds each block's min..max (llama.cpp Q4_1's rule); "
+                                       f"expected --method rtn, got {self.method}")
+            need(self.group != 0 and all(n for _, n in self.groups),
+                 "--block-min on: needs blocks (--group-size / --group N of 16..256, not 0)")
         need(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
              f"--kv-dtype: expected {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.calibration_text is not None:
@@ -160,7 +178,8 @@ class QuantizeOptions:
         return QuantSpec(scheme, "mse" if self.method == "awq" else self.method)
 
     def linear_spec(self) -> QuantSpec:
-        return self._spec(Scheme(self.bits, self.group, self.symmetric))
+        offsets = self.block_min == "on"
+        return self._spec(Scheme(self.bits, self.group, self.symmetric and not offsets, offsets))
 
     def int8_spec(self) -> QuantSpec:
         """Per-channel int8: the embedding table of its own (per row)."""

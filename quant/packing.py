@@ -3,7 +3,7 @@
 
 Packings:
   MatMulNBits (bits 4|8): B uint8 [N, n_blocks, block_size * bits / 8], codes along K, low nibble first;
-    scales float32 [N, n_blocks]; zero_points uint8 [N, ceil(n_blocks * bits / 8)] packed the same way,
+    scales float32 [N, n_blocks]; offsets (Scheme.offsets) float32 [N, n_blocks], added by the rewrite; zero_points uint8 [N, ceil(n_blocks * bits / 8)] packed the same way,
     omitted when symmetric. K is zero-padded to n_blocks * block_size (pad codes = zero point). The CPU
     kernel takes block_size 16..256 only, so a per-channel weight is stored as 256-blocks that repeat its
     row scale (`expand_per_channel`): same codes, same numerics.
@@ -58,6 +58,8 @@ class NBitsArrays:
     block_size: int
     k: int
     n: int
+    offsets: np.ndarray | None = None   # float32 [N, n_blocks]: block minima m (Scheme.offsets); the codes are then
+                                        # stored symmetric ((code - 8) * s) and the rewrite adds the term of m + 8 s
 
 
 def expand_per_channel(qw: QuantizedWeight, block_size: int = 0) -> QuantizedWeight:
@@ -87,23 +89,26 @@ def to_matmulnbits(qw: QuantizedWeight) -> NBitsArrays:
     blocks = qw.codes.reshape(n, nb, s.block_size)
     b = pack_nibbles(blocks) if s.bits == 4 else blocks.copy()
     zp = None
-    if not s.symmetric:
+    if not s.symmetric and not s.offsets:
         zp = pack_nibbles(qw.zero_points) if s.bits == 4 else qw.zero_points.copy()
-    return NBitsArrays(b, qw.scales.copy(), zp, s.bits, s.block_size, qw.k, n)
+    offsets = None if qw.offsets is None else qw.offsets.copy()
+    return NBitsArrays(b, qw.scales.copy(), zp, s.bits, s.block_size, qw.k, n, offsets)
 
 
 def from_matmulnbits(arrays: NBitsArrays) -> QuantizedWeight:
     """Unpack MatMulNBits initializers back to the canonical form (tests and error reports)."""
     n, nb, _ = arrays.b.shape
     bs = arrays.block_size
-    symmetric = arrays.zero_points is None
-    scheme = Scheme(arrays.bits, bs, symmetric)
+    symmetric = arrays.zero_points is None and arrays.offsets is None
+    scheme = Scheme(arrays.bits, bs, symmetric, arrays.offsets is not None)
     codes = unpack_nibbles(arrays.b, bs) if arrays.bits == 4 else arrays.b
     if symmetric:
         zp = np.full((n, nb), scheme.mid, np.uint8)
+    elif scheme.offsets:
+        zp = np.zeros((n, nb), np.uint8)
     else:
         zp = unpack_nibbles(arrays.zero_points, nb) if arrays.bits == 4 else arrays.zero_points
-    return QuantizedWeight(scheme, arrays.k, codes.reshape(n, nb * bs), arrays.scales, zp)
+    return QuantizedWeight(scheme, arrays.k, codes.reshape(n, nb * bs), arrays.scales, zp, arrays.offsets)
 
 
 # ---------------------------------------------------------------- ONNX DequantizeLinear (opset 21)
@@ -123,6 +128,7 @@ class DQArrays:
 def to_dequantize_linear(qw: QuantizedWeight) -> DQArrays:
     """Canonical [N, K] codes -> DequantizeLinear arrays in MatMul layout [K, N]."""
     s = qw.scheme
+    need(qw.offsets is None, "block offsets have no DequantizeLinear form (its zero point is an integer)")
     codes = qw.codes[:, :qw.k]
     if s.symmetric:
         x = (codes.astype(np.int16) - s.mid).astype(np.int8).T.copy()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Literal, get_args
 
@@ -29,7 +29,7 @@ from edgellm.runtime.errors import need
 from .gptq import gptq_quantize
 from .methods import QuantSpec, quantize_weight
 from .packing import NBitsArrays, expand_per_channel, to_matmulnbits
-from .schemes import QuantError, QuantizedWeight, Scheme, fp16_exact, quant_error, with_fp16_scales
+from .schemes import QuantError, QuantizedWeight, fp16_exact, quant_error, with_fp16_scales
 
 Format = Literal["fast", "portable"]  # MatMulNBits (onnxruntime) | DequantizeLinear + MatMul (any runtime)
 FORMATS: tuple[Format, ...] = get_args(Format)
@@ -83,7 +83,8 @@ class QuantPlan:
     # are stored float32, as MatMulNBits reads them: onnxruntime keeps a scale initializer for the session's life
     # next to its packed copy, and a float32 one the runtime maps and releases (placement.Placement.packed_scales)
     # where the Cast's folded float32 copy stays resident (options.SCALES_DTYPES)
-    fp16_stored: tuple[int, ...] = (4, 8)
+    # (kinds: "int4", "int8", and "int4-min" for 4-bit weights with block offsets, whose offsets follow their scales)
+    fp16_stored: tuple[str, ...] = ("int4", "int8", "int4-min")
     # tables the lm_head also reads (a tied model's embed.weight): their row lookups are quant/tied.py's, which
     # gathers the lm_head's quantized codes, not a second table of rewrite.py's own
     tied: frozenset[str] = frozenset()
@@ -93,9 +94,11 @@ class QuantPlan:
         need(self.format in FORMATS, f"quantization format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         need(self.accuracy_level in (0, 1, 2, 3, 4), f"accuracy_level must be 0..4, got {self.accuracy_level}")
 
-    def half_scales(self, bits: int, scales: np.ndarray) -> bool:
-        """Whether the fast format stores these MatMulNBits scales as float16 (a Cast feeding the kernel)."""
-        return self.fp16_scales and bits in self.fp16_stored and fp16_exact(scales)
+    def half_scales(self, arr: NBitsArrays, values: np.ndarray) -> bool:
+        """Whether the fast format stores these MatMulNBits scales (or block offsets) of `arr` as float16, a Cast
+        feeding the kernel."""
+        kind = f"int{arr.bits}" + ("-min" if arr.offsets is not None else "")
+        return self.fp16_scales and kind in self.fp16_stored and fp16_exact(values)
 
     def act_scale(self, site: WeightSite) -> np.ndarray | None:
         """Calibration scales [K] for a matmul weight (a Gather's error does not depend on activations)."""
@@ -143,8 +146,8 @@ class QuantPlan:
         elif self.tight_channel_blocks and qw.scales.shape[1] == 1:
             narrow = min(b for b in NBITS_BLOCKS if b >= min(qw.k, s.block_size))
             if narrow < s.block_size:
-                qw = QuantizedWeight(Scheme(s.bits, narrow, s.symmetric), qw.k, qw.codes[:, :narrow],
-                                     qw.scales, qw.zero_points)
+                qw = QuantizedWeight(replace(s, block_size=narrow), qw.k, qw.codes[:, :narrow],
+                                     qw.scales, qw.zero_points, qw.offsets)
         return to_matmulnbits(qw)
 
 

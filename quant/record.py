@@ -65,7 +65,8 @@ def quantization_record(options: QuantizeOptions, plan: QuantPlan, names: list[t
         else:
             entry |= {"bits": spec.scheme.bits, "block_size": spec.scheme.block_size,
                       "symmetric": spec.scheme.symmetric, "method": r.scheme.rsplit("-", 1)[-1],
-                      "format": options.format, "max_abs_err": float(f"{r.max_abs_err:.6g}"),
+                      "format": options.format, "offsets": spec.scheme.offsets,
+                      "max_abs_err": float(f"{r.max_abs_err:.6g}"),
                       "rel_rms_err": float(f"{r.rel_rms_err:.6g}")}
         if r.shared_with:
             entry["shared_with"] = r.shared_with

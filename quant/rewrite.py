@@ -3,6 +3,8 @@
     MatMul(A, B [K,N] init)  or  Gemm(A, B, C?, transB) with alpha = beta = 1, transA = 0
       fast:      A --MatMulNBits(B_q [N,nb,blob], scales [N,nb], zp?)--> Y  [--Add(C)--> Y]
                  (with the plan's fp16_scales: scales16 [N,nb] float16 --Cast--> scales, a prologue node)
+                 block offsets (schemes.Scheme.offsets): Y = MatMulNBits(...) + (A's block sums [.., nb]) @ offsets
+                 [nb, N], the block sums once per activation (`_Builder.block_sums`)
       portable:  B_q [K,N] --DequantizeLinear(scale, zp?)--> B' ;  A --MatMul(B')--> Y  [--Add(C)--> Y]
     Gather(E [V,D] init, ids, axis=0)  (the token embedding; int8 per row only)
       ids --Gather(E_q [V,D] int8)--Cast(float)--[Sub(Cast(Gather(zp [V,1])))]--Mul(Gather(scale [V,1]))--> Y
@@ -18,9 +20,6 @@ the same kernels as `fast`.
 """
 
 from __future__ import annotations
-
-import ast
-from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -40,54 +39,11 @@ from .plan import (
     by_pattern,
 )
 from .schemes import QuantizedWeight
+from .sites import module_of, weight_use
 
 # the plan types lived here first: importers of rewrite keep working
 __all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "WeightReport", "WeightSite",
            "by_pattern", "quantize_model"]
-
-# ---------------------------------------------------------------- finding weights
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _weight_use(node: onnx.NodeProto, inits: Mapping[str, TensorProto]) -> tuple[str, str] | None:
-    """(initializer, layout) if `node` reads a constant 2-D float32 weight we can rewrite; layout is
-    "kn" (MatMul B), "nk" (Gemm transB=1 B) or "rows" (Gather table)."""
-    if node.domain not in ("", "ai.onnx"):
-        return None
-    a = _attrs(node)
-    if node.op_type == "MatMul":
-        name, layout = node.input[1], "kn"
-    elif node.op_type == "Gemm":
-        has_c = len(node.input) > 2 and node.input[2] != ""
-        if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or (has_c and a.get("beta", 1.0) != 1.0):
-            return None
-        name, layout = node.input[1], ("nk" if a.get("transB", 0) else "kn")
-    elif node.op_type == "Gather" and a.get("axis", 0) == 0:
-        name, layout = node.input[0], "rows"
-    else:
-        return None
-    t = inits.get(name)
-    if t is None or t.data_type != TensorProto.FLOAT or len(t.dims) != 2:
-        return None
-    need(t.data_location != TensorProto.EXTERNAL,
-         f"initializer {name} still lives in external data: load the model with load_external_data=True")
-    return name, layout
-
-
-def _module_of(node: onnx.NodeProto, init_name: str) -> str:
-    """Module path from torch.onnx's `pkg.torch.onnx.name_scopes` metadata, else from a `*.weight` name."""
-    for prop in node.metadata_props:
-        if prop.key == "pkg.torch.onnx.name_scopes":
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                break
-            if isinstance(scopes, list) and len(scopes) >= 2:
-                return str(scopes[-2])
-    return init_name[: -len(".weight")] if init_name.endswith(".weight") else ""
-
 
 # ---------------------------------------------------------------- building replacements
 
@@ -99,6 +55,8 @@ class _Builder:
         self.taken |= {o for n in graph.node for o in n.output}
         self.inits: list[TensorProto] = []
         self.prologue: list[onnx.NodeProto] = []    # nodes fed only by initializers (DequantizeLinear)
+        self.sums: dict[tuple[str, int, int], str] = {}  # (activation, K, block) -> its block sums
+        self.consts: dict[str, str] = {}                 # small constants shared by the nodes: base -> name
 
     def fresh(self, base: str) -> str:
         name, i = base, 1
@@ -112,6 +70,36 @@ class _Builder:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name, value.nbytes
 
+    def const(self, base: str, value: np.ndarray) -> str:
+        """A small constant initializer, one per `base` in the graph."""
+        if base not in self.consts:
+            self.consts[base] = self.array(base, value)[0]
+        return self.consts[base]
+
+    def cast_fp16(self, base: str, value: np.ndarray) -> str:
+        """`value` stored float16 and a prologue Cast to float32 (folded when the session is created)."""
+        half = self.array(f"{base}16", value.astype(np.float16))[0]
+        out = self.fresh(base)
+        self.prologue.append(helper.make_node("Cast", [half], [out], name=out, to=TensorProto.FLOAT))
+        return out
+
+    def block_sums(self, x: str, k: int, block: int, nodes: list[onnx.NodeProto]) -> str:
+        """The sums of x [..., K] over each block of K, [R, nb] (R: x's leading dims, which edgellm's one-sequence
+        graphs keep at [1, S], so the term broadcasts back): Reshape + ReduceSum, made once per activation
+        (appended to `nodes` the first time, so they precede every reader). A MatMul with a 0/1 [K, nb] matrix
+        does the same but reads the matrix every call (SmolLM2-135M int4 stack: 7 % slower)."""
+        key = (x, k, block)
+        if key not in self.sums:
+            nb = -(-k // block)
+            need(nb * block == k, f"block offsets need K ({k}) a multiple of the block ({block})")
+            shape = self.const(f"block_sums.shape.{nb}x{block}", np.array([-1, nb, block], np.int64))
+            axes = self.const("block_sums.axes", np.array([-1], np.int64))
+            blocks, out = self.fresh(f"{x}/blocks"), self.fresh(f"{x}/block_sums")
+            self.sums[key] = out
+            nodes += [helper.make_node("Reshape", [x, shape], [blocks], name=blocks),
+                      helper.make_node("ReduceSum", [blocks, axes], [out], name=out, keepdims=0)]
+        return self.sums[key]
+
     def int4(self, base: str, values: np.ndarray, signed: bool) -> tuple[str, int]:
         """A 4-bit ONNX initializer: row-major values packed two per byte, low nibble first."""
         name = self.fresh(base)
@@ -121,23 +109,36 @@ class _Builder:
         return name, len(packed)
 
 
-def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan) -> tuple[list[str], int, dict]:
-    """MatMulNBits weight inputs [B, scales, zp?], their bytes and the shape attributes."""
+def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
+                  ) -> tuple[list[str], int, dict, tuple[str, int, int] | None]:
+    """MatMulNBits weight inputs [B, scales, zp?], their bytes, the shape attributes and, for block offsets, the
+    offset term's (initializer [nb, N], K, block)."""
     arr = plan.nbits(qw)
     names, total = [], 0
     for suffix, value in (("q", arr.b), ("scales", arr.scales), ("zp", arr.zero_points)):
         if value is None:
             continue
-        if suffix == "scales" and plan.half_scales(arr.bits, value):
+        if suffix == "scales" and plan.half_scales(arr, value):
             # stored fp16; MatMulNBits takes the activations' type, so a Cast (folded at session creation)
-            half, size = b.array(f"{name}.scales16", value.astype(np.float16))
-            n = b.fresh(f"{name}.scales")
-            b.prologue.append(helper.make_node("Cast", [half], [n], name=n, to=TensorProto.FLOAT))
+            names.append(b.cast_fp16(f"{name}.scales", value))
+            total += value.size * 2
         else:
-            n, size = b.array(f"{name}.{suffix}", value)
-        names.append(n)
-        total += size
-    return names, total, {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
+            names.append(b.array(f"{name}.{suffix}", value)[0])
+            total += value.nbytes
+    attrs = {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
+    if arr.offsets is None:
+        return names, total, attrs, None
+    # the codes run symmetric, (code - 8) * s: the term's weights are m + 8 s [nb, N]
+    m = np.ascontiguousarray(arr.offsets.T)
+    if plan.half_scales(arr, m):    # m fp16 beside the fp16 scales; m + 8 s folded at session creation
+        p = b.fresh(f"{name}.offsets")
+        s_t, s8 = f"{p}/scales_t", f"{p}/scales_x8"
+        b.prologue += [helper.make_node("Transpose", [names[1]], [s_t], name=s_t, perm=[1, 0]),
+                       helper.make_node("Mul", [s_t, b.const("offsets.eight", np.array(8, np.float32))], [s8], name=s8),
+                       helper.make_node("Add", [b.cast_fp16(f"{name}.minima", m), s8], [p], name=p)]
+        return names, total + m.size * 2 + 4, attrs, (p, arr.k, arr.block_size)
+    o = (m + np.float32(8) * arr.scales.T).astype(np.float32)
+    return names, total + o.nbytes, attrs, (b.array(f"{name}.offsets", o)[0], arr.k, arr.block_size)
 
 
 def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
@@ -157,15 +158,27 @@ def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
     return out, total
 
 
-def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder) -> list[onnx.NodeProto]:
-    """`core` computes A @ W^T into the node's output; a Gemm's bias C becomes a following Add."""
-    out = node.output[0]
-    if node.op_type != "Gemm" or len(node.input) < 3 or not node.input[2]:
-        core.output[:] = [out]
-        return [core]
-    mid = b.fresh(f"{out}/matmul")
-    core.output[:] = [mid]
-    return [core, helper.make_node("Add", [mid, node.input[2]], [out], name=f"{node.name}/bias")]
+def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder,
+                  offsets: tuple[str, int, int] | None = None) -> list[onnx.NodeProto]:
+    """`core` computes A @ W^T into the node's output; a Gemm's bias C becomes a following Add, and block
+    `offsets` (initializer [nb, N], K, block) a term (block sums of A) @ offsets added before it."""
+    out, nodes, adds = node.output[0], [], []
+    if offsets is not None:
+        name, k, block = offsets
+        sums = b.block_sums(node.input[0], k, block, nodes)
+        term = b.fresh(f"{out}/offsets")
+        nodes.append(helper.make_node("MatMul", [sums, name], [term], name=term))
+        adds.append((term, f"{node.name}/offsets_add"))
+    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
+        adds.append((node.input[2], f"{node.name}/bias"))
+    y = out if not adds else b.fresh(f"{out}/matmul")
+    core.output[:] = [y]
+    nodes.append(core)
+    for i, (addend, add_name) in enumerate(adds):
+        nxt = out if i == len(adds) - 1 else b.fresh(f"{out}/sum")
+        nodes.append(helper.make_node("Add", [y, addend], [nxt], name=add_name))
+        y = nxt
+    return nodes
 
 
 def _gather_tables(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[list[str], int]:
@@ -209,7 +222,7 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
     nodes = list(graph.node)
     uses: dict[tuple[str, str], list[int]] = {}             # (initializer, layout) -> node indices
     for i, node in enumerate(nodes):
-        hit = _weight_use(node, inits)
+        hit = weight_use(node, inits)
         if hit is not None and not (hit[1] == "rows" and hit[0] in plan.tied):  # tied lookups: quant/tied.py
             uses.setdefault(hit, []).append(i)
 
@@ -221,7 +234,7 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
         w = numpy_helper.to_array(inits[name])
         w = np.ascontiguousarray(w.T if layout == "kn" else w)  # canonical [N, K], rows contiguous
         first = nodes[where[0]]
-        site = WeightSite(name, first.op_type, first.name, _module_of(first, name), w.shape)
+        site = WeightSite(name, first.op_type, first.name, module_of(first, name), w.shape)
         spec = plan.choose(site)
         if spec is None:
             reports.append(WeightReport(name, site.module, site.op, site.shape, "fp32", w.nbytes, w.nbytes, 0.0, 0.0))
@@ -232,11 +245,11 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
             for i in where:
                 replace[i] = _gather_nodes(nodes[i], tables, b)
         elif plan.format == "fast":
-            inputs, nbytes, shape_attrs = _nbits_inputs(b, name, qw, plan)
+            inputs, nbytes, shape_attrs, offsets = _nbits_inputs(b, name, qw, plan)
             for i in where:
                 core = helper.make_node("MatMulNBits", [nodes[i].input[0], *inputs], [], name=nodes[i].name,
                                         domain="com.microsoft", accuracy_level=plan.accuracy_level, **shape_attrs)
-                replace[i] = _matmul_nodes(nodes[i], core, b)
+                replace[i] = _matmul_nodes(nodes[i], core, b, offsets)
         else:
             dq, nbytes = _dq_output(b, name, qw)
             opset_needed = max(opset_needed, 21 if spec.scheme.bits == 4 or spec.scheme.block_size else 13)

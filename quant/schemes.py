@@ -12,6 +12,13 @@ Codes are always stored unsigned, with a zero point: dequantized = (code - zero_
               and all 16 codes are used, a step of max|w|/8 instead of max|w|/7 (s may be negative).
   asymmetric: code = clip(round(w / s) + zp, 0, 2^b - 1), zp = round(-lo / s), with the block range
               [lo, hi] widened to include 0 (as MLAS does) so zp is an exact integer inside [0, 2^b - 1].
+  offsets:    (4 bits, `Scheme.offsets`) a float offset per block beside the scale, llama.cpp Q4_1's layout:
+              dequantized = code * s + m, s = (hi - lo) / 15 and m = lo, both rounded to fp16 (Q4_1's d and m),
+              with [lo, hi] the block's own range (not widened to 0); zero points all 0 here. MatMulNBits gets them
+              as symmetric codes, (code - 8) * s, and the rewrite adds the term of m + 8 s (quant/rewrite.py):
+              activations rounded to int8 (accuracy level 4) then meet centred weights, as with the symmetric
+              scheme. Weights that already lie on such a grid (dequantized Q4_1 blocks) come back exactly
+              (`on_offset_grid`).
 Rounding is half-to-even (`np.rint`), as ONNX QuantizeLinear and MLAS' vector quantizers do. The kernels
 only ever dequantize, so any rounding is "correct" for them; half-to-even keeps the RTN bound
 |w - dequantize(w)| <= scale / 2 and is unbiased.
@@ -44,9 +51,12 @@ class Scheme:
     bits: int = 4
     block_size: int = 32
     symmetric: bool = True
+    offsets: bool = False      # a float offset per block (see the module docstring); 4-bit blocks only
 
     def __post_init__(self) -> None:
         need(self.bits in (4, 8), f"quantization bits must be 4 or 8, got {self.bits}")
+        need(not self.offsets or (self.bits == 4 and self.block_size > 0 and not self.symmetric),
+             "block offsets need 4-bit blocks (a block size, unsigned codes with zero point 0)")
         # 16..256 is what onnxruntime's CPU MatMulNBits kernel accepts (the op schema allows any power of 2)
         need(self.block_size in BLOCK_SIZES,
              f"quantization block size must be 0 (per channel) or one of 16, 32, 64, 128, 256, got {self.block_size}")
@@ -54,7 +64,8 @@ class Scheme:
     @property
     def label(self) -> str:
         group = f"g{self.block_size}" if self.block_size else "ch"
-        return f"int{self.bits}-{group}-{'sym' if self.symmetric else 'asym'}"
+        kind = "min" if self.offsets else "sym" if self.symmetric else "asym"
+        return f"int{self.bits}-{group}-{kind}"
 
     def block_len(self, k: int) -> int:
         return self.block_size or k
@@ -82,13 +93,15 @@ class QuantizedWeight:
     codes: np.ndarray          # uint8 [N, n_blocks * block_len], unsigned codes in [0, 2^bits - 1]
     scales: np.ndarray         # float32 [N, n_blocks]
     zero_points: np.ndarray    # uint8 [N, n_blocks] (all 2^(bits-1) when symmetric)
+    offsets: np.ndarray | None = None   # float32 [N, n_blocks] with Scheme.offsets, else None
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.k)
 
     def rows(self, sl: slice) -> QuantizedWeight:
-        return QuantizedWeight(self.scheme, self.k, self.codes[sl], self.scales[sl], self.zero_points[sl])
+        offsets = None if self.offsets is None else self.offsets[sl]
+        return QuantizedWeight(self.scheme, self.k, self.codes[sl], self.scales[sl], self.zero_points[sl], offsets)
 
 
 @dataclass(frozen=True)
@@ -130,16 +143,28 @@ def params_from_range(lo: np.ndarray, hi: np.ndarray, scheme: Scheme) -> tuple[n
     return scale, np.where(scale > 0, zp, scheme.mid).astype(np.uint8)
 
 
-def codes_for(wb: np.ndarray, scale: np.ndarray, zp: np.ndarray, scheme: Scheme) -> np.ndarray:
-    """Round blocks [N, nb, bl] onto the grid given per-block scale/zp [N, nb] -> uint8 codes, same shape."""
+def offset_params(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and offset float32 [N, n_blocks] of blocks [N, nb, bl] (Scheme.offsets): Q4_1's d = (hi - lo) / 15
+    and m = lo, both rounded to fp16."""
+    lo, hi = wb.min(axis=-1), wb.max(axis=-1)
+    return ((hi - lo) / 15).astype(np.float16).astype(np.float32), lo.astype(np.float16).astype(np.float32)
+
+
+def codes_for(wb: np.ndarray, scale: np.ndarray, zp: np.ndarray, scheme: Scheme,
+              offset: np.ndarray | None = None) -> np.ndarray:
+    """Round blocks [N, nb, bl] onto the grid given per-block scale/zp (and offset) [N, nb] -> uint8 codes."""
     s = scale[..., None]
+    if offset is not None:
+        wb = wb - offset[..., None]
     q = np.where(s != 0, np.rint(wb / np.where(s != 0, s, 1.0)), 0.0) + zp[..., None].astype(np.float32)
     return np.clip(q, 0, scheme.qmax).astype(np.uint8)
 
 
-def dequantize_blocks(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
-    """uint8 codes [N, nb, bl] -> float32 [N, nb, bl], exactly (code - zp) * scale in float32."""
-    return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
+def dequantize_blocks(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray,
+                      offset: np.ndarray | None = None) -> np.ndarray:
+    """uint8 codes [N, nb, bl] -> float32 [N, nb, bl], exactly (code - zp) * scale (+ offset) in float32."""
+    w = (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
+    return w if offset is None else w + offset[..., None]
 
 
 def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
@@ -147,6 +172,9 @@ def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
     """Quantize w [N, K]; scales/zero_points [N, n_blocks] default to round-to-nearest over the full range."""
     n, k = w.shape
     bl, nb = scheme.block_len(k), scheme.n_blocks(k)
+    if scheme.offsets:
+        need(scales is None, "block offsets are rounded to nearest (min..max) only")
+        return _quantize_offsets(w, scheme)
     if scales is None:
         params = [params_from_range(*block_range(to_blocks(w[sl], bl), scheme.symmetric), scheme)
                   for sl in row_chunks(n, k)]
@@ -165,6 +193,36 @@ def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
     return QuantizedWeight(scheme, k, codes, scales, zero_points)
 
 
+def _quantize_offsets(w: np.ndarray, scheme: Scheme) -> QuantizedWeight:
+    n, k = w.shape
+    bl, nb = scheme.block_len(k), scheme.n_blocks(k)
+    codes = np.empty((n, nb * bl), np.uint8)
+    scales, offsets = np.empty((n, nb), np.float32), np.empty((n, nb), np.float32)
+    zp = np.zeros((n, nb), np.uint8)
+    for sl in row_chunks(n, k):
+        wb = to_blocks(w[sl], bl)
+        scales[sl], offsets[sl] = offset_params(wb)
+        codes[sl] = codes_for(wb, scales[sl], zp[sl], scheme, offsets[sl]).reshape(-1, nb * bl)
+    return QuantizedWeight(scheme, k, codes, scales, zp, offsets)
+
+
+def on_offset_grid(w: np.ndarray, block_size: int) -> bool:
+    """Whether w [N, K] comes back from 4-bit blocks with offsets (`offset_params`) to within a thousandth of
+    a step in every block: the weights of a model converted from llama.cpp Q4_1 blocks of that size do (their
+    fp16 d and m are the block's step and minimum); a trained float weight is ~a quarter step off on average."""
+    scheme = Scheme(4, block_size, False, True)
+    if w.ndim != 2 or w.shape[1] % block_size:
+        return False
+    for sl in row_chunks(*w.shape):
+        wb = to_blocks(w[sl], block_size)
+        d, m = offset_params(wb)
+        zp = np.zeros(d.shape, np.uint8)
+        back = dequantize_blocks(codes_for(wb, d, zp, scheme, m), d, zp, m)
+        if not np.all(np.abs(back - wb).max(axis=-1) <= 1e-3 * d):
+            return False
+    return True
+
+
 def fp16_exact(scales: np.ndarray) -> bool:
     """Whether float32 scales survive a round trip through float16 unchanged."""
     return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
@@ -176,6 +234,8 @@ def with_fp16_scales(w: np.ndarray, qw: QuantizedWeight, recode: bool = True) ->
     Unchanged when a scale would not survive the rounding (a nonzero scale below fp16's smallest normal,
     2^-14 * 2^-10 subnormals aside, or above 65504): that weight keeps float32 scales."""
     s16 = qw.scales.astype(np.float16)
+    if qw.offsets is not None:       # fp16-rounded already (Q4_1's d and m)
+        return qw
     if not np.all(np.isfinite(s16)) or np.any((s16 == 0) != (qw.scales == 0)):
         return qw
     scales = s16.astype(np.float32)
@@ -187,7 +247,7 @@ def with_fp16_scales(w: np.ndarray, qw: QuantizedWeight, recode: bool = True) ->
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """QuantizedWeight -> float32 [N, K], the weight every packing below encodes."""
     n, nb = qw.scales.shape
-    blocks = dequantize_blocks(qw.codes.reshape(n, nb, -1), qw.scales, qw.zero_points)
+    blocks = dequantize_blocks(qw.codes.reshape(n, nb, -1), qw.scales, qw.zero_points, qw.offsets)
     return blocks.reshape(n, -1)[:, :qw.k]
 
 

@@ -29,7 +29,8 @@ def _precision(m: Manifest) -> str:
     block = blocks.pop() if len(blocks) == 1 else o.get("group_size")
     linears = f"int{bits}" + (" per channel" if block == 0 else f" g{block if block is not None else '?'}")
     fmt = o.get("format", "?")
-    return (f"{linears} {'sym' if o.get('symmetric', True) else 'asym'} {o.get('method', '?')}, format {fmt}"
+    kind = "with block minima" if o.get("block_min") == "on" else "sym" if o.get("symmetric", True) else "asym"
+    return (f"{linears} {kind} {o.get('method', '?')}, format {fmt}"
             + (f" (accuracy level {q.get('accuracy_level', '?')}{_scales(o)})" if fmt == "fast" else "")
             + f", lm_head {o.get('lm_head') or f'int{bits}'}{_rows(o)}, embeddings {o.get('embeddings', '?')}")
 

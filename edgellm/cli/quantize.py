@@ -85,6 +85,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "either way). auto (default): float32 for 4-bit weights (+0.5 bit per weight on disk; the "
                         "runtime drops them from RAM once packed, where onnxruntime keeps a float32 copy of fp16 "
                         "ones: SmolLM2-135M int4 -15 MB peak RSS), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)")
+    p.add_argument("--block-min", default=None, choices=("auto", "on", "off"),
+                   help="4-bit linears with a float offset (the block's minimum) beside each block's scale, llama.cpp "
+                        "Q4_1's layout: +1 bit per weight, decode ~10 %% slower. auto (--bits 4 default): on when "
+                        "every linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it "
+                        "then keeps exactly; on: for any weights (rounds min..max: --method rtn)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
@@ -117,15 +122,17 @@ def options_from_args(args: argparse.Namespace):
 
     default = CLI_DEFAULTS.get(args.bits, CLI_DEFAULTS[4])      # a bad --bits fails in validate()
     fraction = default["int8_fraction"] if args.int8_fraction is None else args.int8_fraction
+    block_min = args.block_min or default["block_min"]
+    method = args.method or ("rtn" if block_min == "on" else default["method"])
     options = QuantizeOptions(
         bits=args.bits, group_size=args.group_size,
-        symmetric=args.symmetric, format=args.format, method=args.method or default["method"],
+        symmetric=args.symmetric, format=args.format, method=method,
         embeddings=args.embeddings, lm_head=args.lm_head or default["lm_head"], keep=tuple(args.keep),
         int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
         int8_fraction=fraction, groups=tuple(args.group),
         head_int8_rows=_head_rows(args, default), calibration_text=args.calibration_text,
-        kv_dtype=args.kv_dtype or default["kv_dtype"], scales_dtype=args.scales_dtype)
+        kv_dtype=args.kv_dtype or default["kv_dtype"], scales_dtype=args.scales_dtype, block_min=block_min)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options

@@ -1,0 +1,211 @@
+"""4-bit blocks with offsets (`--block-min`, schemes.Scheme.offsets: llama.cpp Q4_1's layout, w = code * s + m):
+the rounding against its definition, the graph against numpy, the grid detection of `--block-min auto`, and a
+whole export whose weights lie on a Q4_1 grid quantized back exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edgellm.cli import main
+from edgellm.export import ExportOptions, export_model
+from edgellm.quant.methods import QuantSpec
+from edgellm.quant.plan import QuantPlan
+from edgellm.quant.rewrite import quantize_model
+from edgellm.quant.schemes import Scheme, dequantize, on_offset_grid, quant_error, quantize
+from tests.export_helpers import onnx_generate_logits, tiny_model
+from tests.quant_helpers import OPTIONS
+
+MIN = Scheme(4, 32, False, True)
+
+
+def q4_1_weight(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """A weight made of llama.cpp Q4_1 blocks: m + q * d, q = 0..15 spanning the block, d and m fp16."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = rng.uniform(0.001, 0.02, (n, nb, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.2, 0.0, (n, nb, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (n, nb, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    return (m + q * d).reshape(n, k).astype(np.float32)
+
+
+def test_offsets_round_min_to_max_with_fp16_step_and_minimum() -> None:
+    w = np.random.default_rng(2).standard_normal((24, 96)).astype(np.float32)
+    qw = quantize(w, MIN)
+    blocks = w.reshape(24, 3, 32)
+    assert np.array_equal(qw.scales, ((blocks.max(-1) - blocks.min(-1)) / 15).astype(np.float16).astype(np.float32))
+    assert np.array_equal(qw.offsets, blocks.min(-1).astype(np.float16).astype(np.float32))
+    assert qw.codes.max() == 15 and qw.codes.min() == 0 and not qw.zero_points.any()
+    codes = qw.codes.reshape(24, 3, 32).astype(np.float32)
+    assert np.array_equal(dequantize(qw), (codes * qw.scales[..., None] + qw.offsets[..., None]).reshape(24, 96))
+    # round to nearest: within half a step (plus the fp16 rounding of the minimum) everywhere
+    err = np.abs(dequantize(qw) - w).reshape(24, 3, 32).max(-1)
+    assert np.all(err <= qw.scales / 2 + np.abs(qw.offsets - blocks.min(-1)) + 1e-6)
+
+
+def test_a_q4_1_grid_comes_back_exactly_and_is_detected() -> None:
+    w = q4_1_weight(16, 128)
+    assert on_offset_grid(w, 32) and np.abs(dequantize(quantize(w, MIN)) - w).max() <= 1e-6 * np.abs(w).max()
+    assert quant_error(w, quantize(w, Scheme(4, 32, True))).rel_rms_err > 0.01      # Q4_0's rule cannot
+    assert quant_error(w, quantize(w, Scheme(4, 32, False))).rel_rms_err > 0.01     # nor an integer zero point
+    assert not on_offset_grid(w, 64)                       # a 64-block holds two grids
+    assert not on_offset_grid(w + 1e-4, 32)                # off by a fraction of a step
+    assert not on_offset_grid(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), 32)
+
+
+def test_offsets_beat_symmetric_rounding_on_real_weights(stories260k) -> None:
+    """stories260K's trained float weights (llama2.c): relative error of every 2-D layer weight, offsets vs Q4_0's
+    symmetric rule and vs MatMulNBits' integer zero point (measured 0.085 / 0.098 / 0.089)."""
+    errs = {"min": [], "sym": [], "asym": []}
+    for name, p in stories260k.state_dict().items():
+        if p.dim() != 2 or not name.startswith("layers.") or p.shape[1] % 32:
+            continue
+        w = p.float().numpy()
+        for kind, scheme in (("min", MIN), ("sym", Scheme(4, 32, True)), ("asym", Scheme(4, 32, False))):
+            errs[kind].append(quant_error(w, quantize(w, scheme)).rel_rms_err)
+    mean = {k: float(np.mean(v)) for k, v in errs.items()}
+    assert len(errs["min"]) >= 10 and mean["min"] < 0.93 * mean["sym"] and mean["min"] < mean["asym"], mean
+
+
+@pytest.fixture(scope="module")
+def stories260k():
+    from edgellm.loaders.dispatch import load_checkpoint
+    return load_checkpoint(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K.bin").model
+
+
+@pytest.mark.parametrize("stored", [("int4", "int8", "int4-min"), ()])
+def test_the_graph_adds_the_offsets_term_once_per_activation(stored) -> None:
+    """y = MatMulNBits (symmetric codes) + block sums of x @ (m + 8 s): at accuracy level 0 the graph computes
+    x @ dequantize(W)^T; two weights reading one activation share its block sums; fp16 storage (a Cast and the
+    m + 8 s fold, made by onnxruntime) or float32."""
+    rng = np.random.default_rng(0)
+    k = 96
+    w1, w2 = rng.standard_normal((40, k)).astype(np.float32), rng.standard_normal((24, k)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["y1"], name="a"), helper.make_node("MatMul", ["x", "w2"], ["y2"], name="b")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, k])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ("y1", "y2")],
+        [numpy_helper.from_array(w1.T.copy(), "w1"), numpy_helper.from_array(w2.T.copy(), "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    plan = QuantPlan(lambda site: QuantSpec(MIN), accuracy_level=0, fp16_scales=True, fp16_stored=stored)
+    quantize_model(model, plan)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("ReduceSum") == 1 and ops.count("MatMulNBits") == 2 and ops.count("Cast") == (4 if stored else 0)
+    assert all(len(n.input) == 3 for n in model.graph.node if n.op_type == "MatMulNBits")   # symmetric: no zp
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for y, w in zip(got, (w1, w2), strict=True):
+        want = x @ dequantize(quantize(w, MIN)).T
+        assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max()
+        assert np.abs(want - x @ w.T).max() > 1e-2                       # the rounding is visible at all
+
+
+@pytest.fixture(scope="module")
+def grid_export(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny llama2 model whose layer linears are snapped onto Q4_1 grids, exported (and its float original)."""
+    tmp = tmp_path_factory.mktemp("grid")
+    model = tiny_model("llama2", seed=3)
+    float_dir, grid_dir = tmp / "float", tmp / "grid"
+    export_model(model, float_dir, ExportOptions(granularity="layer", **OPTIONS), progress=False, log=lambda _: None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("layers.") and p.dim() == 2:
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), MIN))))
+    export_model(model, grid_dir, ExportOptions(granularity="layer", **OPTIONS), progress=False, log=lambda _: None)
+    return float_dir, grid_dir
+
+
+def _quantize(src: Path, out: Path, capsys, *flags: str) -> tuple[int, str, dict]:
+    code = main(["quantize", str(src), "-o", str(out), "--no-progress", "--no-check", *flags])
+    err = capsys.readouterr().err
+    return code, err, (json.loads((out / "manifest.json").read_text())["quantization"] if code == 0 else {})
+
+
+def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, tmp_path, capsys) -> None:
+    float_dir, grid_dir = grid_export
+    code, err, record = _quantize(grid_dir, tmp_path / "grid-int4", capsys, "--bits", "4")
+    assert code == 0 and "--block-min auto: all 8 4-bit linears lie on a 32-weight grid" in err
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "rtn")   # not awq: exact
+    layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
+    assert len(layers) == 8 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers.values())
+    # the quantized export computes the grid model: its layers add no error, only the int8 head / table does
+    code, _, off = _quantize(grid_dir, tmp_path / "grid-off", capsys, "--bits", "4", "--block-min", "off")
+    assert code == 0 and all(w["rel_rms_err"] > 0.01 for n, w in off["weights"].items() if n.startswith("layers."))
+    prompt = list(range(3, 19))
+    ref, _ = onnx_generate_logits(grid_dir, prompt, 0)
+    kl = {name: _kl(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]) for name in ("grid-int4", "grid-off")}
+    assert kl["grid-int4"] < 0.5 * kl["grid-off"], kl
+    # trained-like float weights: auto stays off, and the --bits 4 default (awq) applies
+    code, err, record = _quantize(float_dir, tmp_path / "float-int4", capsys, "--bits", "4")
+    assert code == 0 and "--block-min" not in err
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
+    code, _, record = _quantize(float_dir, tmp_path / "float-min", capsys, "--bits", "4", "--block-min", "on")
+    assert code == 0 and record["options"]["method"] == "rtn"
+    assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
+
+
+def _kl(ref: np.ndarray, got: np.ndarray) -> float:
+    p = np.exp(ref - ref.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    lq = got - got.max(-1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    lp = np.log(p)
+    return float((p * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--bits", "4", "--block-min", "on", "--method", "awq"], "--block-min on: rounds each block's min..max"),
+    (["--bits", "8", "--block-min", "on"], "--block-min on: only with --bits 4"),
+    (["--bits", "4", "--block-min", "on", "--asymmetric"], "--block-min on: only with --bits 4"),
+    (["--bits", "4", "--block-min", "on", "--format", "portable"], "--block-min on: only with --bits 4"),
+    (["--bits", "4", "--block-min", "on", "--group-size", "0"], "--block-min on: needs blocks"),
+    (["--bits", "4", "--block-min", "yes"], "--block-min: invalid choice"),
+])
+def test_block_min_errors_are_one_line(grid_export, tmp_path, capsys, flags: list[str], message: str) -> None:
+    out = tmp_path / "q"
+    code = main(["quantize", str(grid_export[1]), "-o", str(out), "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_onnx_graph_is_valid_after_offsets(grid_export, tmp_path, capsys) -> None:
+    """The paired layer graphs and the stack pass onnx's checker (ops, types and opsets as declared)."""
+    code, _, _ = _quantize(grid_export[1], tmp_path / "q", capsys, "--bits", "4")
+    assert code == 0
+    for path in (tmp_path / "q").glob("*.onnx"):
+        onnx.checker.check_model(str(path))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_float32_offsets_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> None:
+    """`--scales-dtype auto` stores the offsets' term (m + 8 s) and the scales float32: the runtime hands both to
+    the pre-packed stack from its own maps and drops their pages once packed (SmolLM2-135M: 25 MB less RSS once
+    open than fp16 + Casts); float16 storage folds to the same float32 values: the same logits, bit for bit."""
+    from edgellm.runtime import Generator
+    from edgellm.runtime.session import SessionConfig
+    from tests.quant_helpers import mapped_kb
+    from tests.quant_helpers import quantize as quantize_export
+
+    auto = quantize_export(grid_export[1], tmp_path / "auto", bits=4, block_min="on")
+    half = quantize_export(grid_export[1], tmp_path / "half", bits=4, block_min="on", scales_dtype="float16")
+    stack = onnx.load(str(auto / "stack.onnx"), load_external_data=False)
+    offsets = {n.input[1] for n in stack.graph.node if n.op_type == "MatMul"}
+    assert len(offsets) == 8 and offsets <= {t.name for t in stack.graph.initializer}
+    engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
+    place = engines[0].placement["stack.decode"]
+    assert offsets <= place.mapped and place.packed_scales
+    files = [Path(f).name for f in place.packed_scales]
+    prompt = list(range(1, 12))
+    assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
+    for t in (5, 9, 200):
+        assert np.array_equal(engines[0].forward([t]), engines[1].forward([t]))
+    assert all(mapped_kb(f) == 0 for f in files), files
