@@ -21,7 +21,7 @@ from .errors import EdgeError, need
 
 # ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.input = 1, .op_type = 4,
 # .attribute = 5; AttributeProto.g = 6, .graphs = 11 (an If's branches, a Loop's body); TensorProto fields:
-_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _NODE_INPUT, _NODE_OP_TYPE = 7, 1, 5, 1, 4
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE = 7, 1, 5, 1, 2, 4
 _NODE_ATTRIBUTE, _ATTR_GRAPH, _ATTR_GRAPHS = 5, 6, 11
 _T_DIMS, _T_DATA_TYPE, _T_NAME, _T_EXTERNAL_DATA, _T_DATA_LOCATION = 1, 2, 8, 13, 14
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
@@ -109,10 +109,10 @@ def _tensor(buf: memoryview, start: int, end: int) -> ExternalTensor | None:
     return ExternalTensor(name, tuple(dims), data_type, entries["location"], offset, length)
 
 
-def _inputs(buf: memoryview, start: int, end: int) -> list[str]:
-    """The input names of one NodeProto."""
+def _inputs(buf: memoryview, start: int, end: int, field: int = _NODE_INPUT) -> list[str]:
+    """The input names of one NodeProto (its output names with field=_NODE_OUTPUT)."""
     return [bytes(buf[v[0]:v[1]]).decode("utf-8") for f, w, v in _fields(buf, start, end)
-            if f == _NODE_INPUT and w == 2]
+            if f == field and w == 2]
 
 
 def _op_types(buf: memoryview, start: int, end: int, depth: int = 0) -> list[str]:
@@ -138,8 +138,10 @@ class GraphInfo:
     # initializers the main graph reads only as a Gather's table (input 0): an embedding lookup touches a few
     # rows per step, so its pages are worth releasing between runs (placement.plan)
     gathered: frozenset[str] = frozenset()
-    # initializers the main graph reads only as MatMulNBits' scales (input 2): onnxruntime packs them with the
-    # weights when it pre-packs, yet keeps its own copy for the session's life (placement.plan maps them instead)
+    # initializers the main graph reads only as MatMulNBits' scales (input 2), or as the weights of a MatMul whose
+    # other input a ReduceSum makes (the block-offset term of 4-bit weights with block minima: quant/rewrite.py):
+    # onnxruntime packs them when it pre-packs, yet keeps its own copy for the session's life (placement.plan maps
+    # them instead)
     nbits_scales: frozenset[str] = frozenset()
 
 
@@ -152,8 +154,10 @@ def read_graph_info(path: Path) -> GraphInfo:
         external: list[ExternalTensor] = []
         ops: set[str] = set()
         tables: set[str] = set()  # Gather's input 0
-        scales: set[str] = set()  # MatMulNBits' input 2
+        scales: set[str] = set()  # MatMulNBits' input 2, and a block-sum MatMul's input 1
         other: set[str] = set()   # every other input of a main-graph node
+        summed: set[str] = set()  # ReduceSum outputs
+        matmuls: list[list[str]] = []
         for field, wire, value in _fields(buf, 0, len(buf)):
             if field != _MODEL_GRAPH or wire != 2:
                 continue
@@ -172,7 +176,15 @@ def read_graph_info(path: Path) -> GraphInfo:
                     elif types[:1] == ["MatMulNBits"] and len(inputs) > 2:
                         scales.add(inputs[2])
                         inputs = inputs[:2] + inputs[3:]
+                    elif types[:1] == ["MatMul"] and len(inputs) == 2:
+                        matmuls.append(inputs)
+                        continue
+                    elif types[:1] == ["ReduceSum"]:
+                        summed.update(_inputs(buf, *gvalue, field=_NODE_OUTPUT))
                     other.update(inputs)
+        for a, b in matmuls:  # nodes come in topological order, but which MatMul reads a ReduceSum is known here
+            other.add(a)
+            (scales if a in summed else other).add(b)
         return GraphInfo(external, frozenset(ops), frozenset(tables - other - scales),
                          frozenset(scales - other - tables))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:

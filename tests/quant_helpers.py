@@ -25,3 +25,15 @@ def quantize(src: Path, out: Path, **kw) -> Path:
     """`edgellm quantize` without the fp32 check, progress or log (QuantizeOptions fields as keywords)."""
     quantize_export(src, out, QuantizeOptions(**kw), check=False, progress=False, log=lambda _: None)
     return out
+
+
+def mapped_kb(name: str) -> int:
+    """Resident kB of this process's mappings of files called `name` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header: range perms ... path
+            ours = head[-1].endswith("/" + name)
+        elif ours and head[0] == "Rss:":
+            total += int(head[1])
+    return total

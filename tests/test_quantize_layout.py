@@ -11,7 +11,7 @@ import pytest
 from edgellm.cli import main
 from edgellm.model import Decoder
 from edgellm.runtime.manifest import FORMAT_VERSION, read_manifest
-from tests.quant_helpers import OPTIONS, export, quantize
+from tests.quant_helpers import OPTIONS, export, mapped_kb, quantize
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,6 @@ def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
         assert rows["stack"].argmax(-1).tolist() == rows["layers"].argmax(-1).tolist()
 
 
-def _mapped_kb(name: str) -> int:
-    """Resident kB of this process's mappings of files called `name` (/proc/self/smaps)."""
-    total, ours = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's header: range perms ... path
-            ours = head[-1].endswith("/" + name)
-        elif ours and head[0] == "Rss:":
-            total += int(head[1])
-    return total
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
 def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
     """The embedding table is read only by Gather: the runtime hands it to the pre-packed stack from its own
@@ -108,7 +96,7 @@ def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
         out = []
         for token in range(steps):
             engine.forward([token + 1])
-            out.append(_mapped_kb("embed.data"))
+            out.append(mapped_kb("embed.data"))
         return out
 
     assert all(kb > 0 for kb in resident(3600.0, 4))  # the stack reads the table from the runtime's map
@@ -156,7 +144,7 @@ def _rows_map_pages(export: Path, table: str) -> None:
     for t in tokens:
         engine.forward([t])
     # per row: its codes' page and its scales' page, in each part of a split table (two pages where a row straddles)
-    assert 0 < _mapped_kb(table) <= 4 * len(tokens) * 2 * 2, (_mapped_kb(table), size_kb)
+    assert 0 < mapped_kb(table) <= 4 * len(tokens) * 2 * 2, (mapped_kb(table), size_kb)
 
 
 def test_info_describes_an_export(tied, tmp_path, capsys) -> None:
@@ -200,10 +188,10 @@ def test_float32_scales_leave_the_rss_once_packed(tied, tmp_path) -> None:
     place = engines[0].placement["stack.decode"]
     assert place.prepack and place.packed_scales and engines[1].placement["stack.decode"].packed_scales == ()
     files = [Path(f).name for f in place.packed_scales]
-    assert all(_mapped_kb(f) == 0 for f in files)  # released once packed
+    assert all(mapped_kb(f) == 0 for f in files)  # released once packed
     prompt = list(range(1, 12))
     assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
     for t in (5, 9, 200):
         assert np.array_equal(engines[0].forward([t]), engines[1].forward([t]))
     assert np.array_equal(engines[0].few_rows([7, 8, 9]), engines[1].few_rows([7, 8, 9]))
-    assert all(_mapped_kb(f) == 0 for f in files), files  # the kernels never read them again
+    assert all(mapped_kb(f) == 0 for f in files), files  # the kernels never read them again
