@@ -47,8 +47,10 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            "int4 table8": ["--bits", "4", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
            "int4 rtn": ["--bits", "4", "--method", "rtn", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
-           # the tied table int4 and --block-min auto (on SmolLM2's Q4_1 grid: on): under Q4_0's size
-           "int4 head4 min": ["--bits", "4", "--lm-head", "int4"],
+           # the default's layout with Q4_1's fp16 scales and minima (5 bits per linear weight): the smaller file
+           "int4 s16": ["--bits", "4", "--scales-dtype", "float16"],
+           # ... and the tied table int4 too
+           "int4 head4 min": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16"],
            # the tied table int4 too (one shared copy): the smallest, above Q4_0's KL
            "int4 head4": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16", "--block-min", "off"],
            # a k-quant-like mix: the 25 % most sensitive linears (measured on calibration text) int8

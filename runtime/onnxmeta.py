@@ -139,7 +139,7 @@ class GraphInfo:
     # rows per step, so its pages are worth releasing between runs (placement.plan)
     gathered: frozenset[str] = frozenset()
     # initializers the main graph reads only as MatMulNBits' scales (input 2), or as the weights of a MatMul whose
-    # other input a ReduceSum makes (the block-offset term of 4-bit weights with block minima: quant/rewrite.py):
+    # other input an AveragePool makes (the block-offset term of 4-bit weights with block minima: quant/rewrite.py):
     # onnxruntime packs them when it pre-packs, yet keeps its own copy for the session's life (placement.plan maps
     # them instead)
     nbits_scales: frozenset[str] = frozenset()
@@ -156,7 +156,7 @@ def read_graph_info(path: Path) -> GraphInfo:
         tables: set[str] = set()  # Gather's input 0
         scales: set[str] = set()  # MatMulNBits' input 2, and a block-sum MatMul's input 1
         other: set[str] = set()   # every other input of a main-graph node
-        summed: set[str] = set()  # ReduceSum outputs
+        pooled: set[str] = set()  # AveragePool outputs
         matmuls: list[list[str]] = []
         for field, wire, value in _fields(buf, 0, len(buf)):
             if field != _MODEL_GRAPH or wire != 2:
@@ -179,12 +179,12 @@ def read_graph_info(path: Path) -> GraphInfo:
                     elif types[:1] == ["MatMul"] and len(inputs) == 2:
                         matmuls.append(inputs)
                         continue
-                    elif types[:1] == ["ReduceSum"]:
-                        summed.update(_inputs(buf, *gvalue, field=_NODE_OUTPUT))
+                    elif types[:1] == ["AveragePool"]:
+                        pooled.update(_inputs(buf, *gvalue, field=_NODE_OUTPUT))
                     other.update(inputs)
-        for a, b in matmuls:  # nodes come in topological order, but which MatMul reads a ReduceSum is known here
+        for a, b in matmuls:  # which MatMul reads an AveragePool is known once every node was seen
             other.add(a)
-            (scales if a in summed else other).add(b)
+            (scales if a in pooled else other).add(b)
         return GraphInfo(external, frozenset(ops), frozenset(tables - other - scales),
                          frozenset(scales - other - tables))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:
