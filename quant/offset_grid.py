@@ -54,5 +54,6 @@ def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
         return dataclasses.replace(options, block_min="off")
     log(f"--block-min auto: all {checked} 4-bit linears lie on a {options.group}-weight grid with offsets (as a "
         f"model converted from a Q4_1 GGUF does): kept exactly, rounded to nearest"
-        + (f" (not --method {options.method}, which would move them off it)" if options.method != "rtn" else ""))
+        + (f" (not --method {options.method}, which would move them off it)" if options.method != "rtn" else "")
+        + "; --block-min off decodes ~1.3x faster, at a second rounding's error")
     return dataclasses.replace(options, block_min="on", method="rtn")

@@ -116,6 +116,8 @@ def test_fix_command_is_pasteable_and_accepted_by_edgellm_quantize():
     ({**INT4, "lm_head": "int8", "head_int8_rows": 0.3}, [1], dict(head="int8", head_int8_rows=0.3, int8_layers=(1,))),
     ({**INT4, "lm_head": "int8", "head_int8_rows": 0.5}, [1], dict(head="int8", head_int8_rows=0.5)),
     ({**INT4, "lm_head": "int4"}, [1], dict(head="int8", head_int8_rows=0.3)),      # the fix's int8 head: split
+    ({**INT4, "lm_head": "int8", "head_int8_rows": 0.3, "block_min": "on", "scales_dtype": "float16"}, [1],
+     dict(block_min="on", method="rtn", scales_dtype="float16", int8_layers=(1,))),   # block minima kept
 ])
 def test_fix_repeats_the_recorded_options(options, layers, want):
     """The command rebuilds the variant as it was quantized, plus the fix: int8 models keep the layers
@@ -177,3 +179,15 @@ def test_no_command_when_there_is_nothing_to_change_and_fp32_errors_are_not_blam
     v = build_verdict(_report([broken]), _facts({"fp32": 100}))
     assert v["ship"] is None and v["fix"] is None and v["error"]["layers"][0]["layer"] == 1
     assert "fp32 is fp32, so this is no quantization error" in v["text"] and "`" not in v["text"]
+
+
+def test_exact_layers_get_no_fix_command():
+    """Block minima that kept a grid (quantize --block-min): the layers that grow the error have weights with
+    relative error 0, so more bits there cannot help: the verdict says where the error comes from instead."""
+    report, facts = three_variants()
+    exact = {k: 0.0 for k in ("layers.2.attn.qkv.weight", "layers.2.mlp.down.weight", "layers.0.mlp.down.weight")}
+    facts["int4"]["weights"] = exact
+    v = build_verdict(report, facts)
+    assert v["fix"] is None and [e["layer"] for e in v["error"]["layers"]] == [2]
+    assert "int4's weights in those layers come back exactly (rel. error 0)" in v["text"]
+    assert "quantize again" not in v["text"]

@@ -87,9 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "ones: SmolLM2-135M int4 -15 MB peak RSS), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)")
     p.add_argument("--block-min", default=None, choices=("auto", "on", "off"),
                    help="4-bit linears with a float offset (the block's minimum) beside each block's scale, llama.cpp "
-                        "Q4_1's layout: +1 bit per weight, decode ~10 %% slower. auto (--bits 4 default): on when "
-                        "every linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it "
-                        "then keeps exactly; on: for any weights (rounds min..max: --method rtn)")
+                        "Q4_1's layout: +1 bit per weight (+0.5 with --scales-dtype float16), decode ~25 %% slower "
+                        "(SmolLM2-135M). auto (--bits 4 default): on when every linear already lies on such a grid "
+                        "(a model converted from a Q4_1 GGUF), which it then keeps exactly; on: for any weights "
+                        "(rounds min..max: --method rtn)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")

@@ -99,6 +99,9 @@ def _fix_layers(ranked: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in ranked if e["growth"] >= 0.5 * top][:MAX_FIX_LAYERS]
 
 
+EXACT = 1e-6   # a weight's relative error at or below this: it came back exactly (quantize --block-min)
+
+
 def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: list[int]) -> list[str]:
     """`edgellm quantize` argv repeating the variant's recorded options, plus the fix for `fix_layers`."""
     bits = int(options.get("bits", 4))
@@ -122,6 +125,10 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--lm-head-int8-rows", f"{rows:g}"]
     if options.get("kv_dtype"):
         argv += ["--kv-dtype", str(options["kv_dtype"])]
+    if options.get("scales_dtype") not in (None, "auto"):
+        argv += ["--scales-dtype", str(options["scales_dtype"])]
+    if options.get("block_min") == "on":  # found by auto, or asked for: on either way for the same fp32 export
+        argv += ["--block-min", "on"]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
     for layer in fix_layers:
@@ -239,7 +246,12 @@ def _explain(v: dict[str, Any], variants: list[dict[str, Any]], facts: dict[str,
         return error, None, text
     if not isinstance(options, dict) or "bits" not in options:
         return error, None, text
-    layers = [e["layer"] for e in ranked]
+    layers = [e["layer"] for e in ranked if e.get("weight_rel_rms_err", 1.0) > EXACT]
+    if ranked and not layers:  # block minima that kept a grid: more bits there would not lower the error
+        text.append(f"{v['name']}'s weights in those layers come back exactly (rel. error 0): what they grow comes "
+                    f"from elsewhere, onnxruntime's int8 activations (accuracy level 4) and the quantized embedding "
+                    f"table and lm_head, not from their rounding.")
+        return error, None, text
     changes = _changes(options, layers)
     if changes == "the same options":
         return error, None, text  # nothing left to give more bits to
