@@ -1,9 +1,9 @@
-"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4, int4kv8 with an int8 KV cache, and fp32 with
-an fp16 KV cache: kv16) and their greedy outputs on this machine (int4 also through its lone-row stack,
+"""Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4, int4kv8 with an int8 KV cache, int4min with
+block minima, and fp32 with an fp16 KV cache: kv16) and their greedy outputs on this machine (int4 also through its lone-row stack,
 `--exact-decode off`; int4kv8 also with speculation off, so the board's speculative tokens are checked against its
 plain ones).
 
-    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,int4kv8,kv16}, WORK/host/<name>.json
+    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,int4kv8,kv16,int4min}, WORK/host/<name>.json
     python bench/arm64_host.py shim WORK REPO   # WORK/shim/edgellm: import edgellm.* from the source tree
     python bench/arm64_host.py compare WORK     # WORK/host/*.json vs WORK/arm/*.json; exit 1 on a mismatch
 
@@ -73,11 +73,12 @@ def prepare(work: Path) -> None:
     # int4 with the MSE clip search: round-to-nearest collapses this scaled-up toy model's greedy output to one
     # repeated token, which would make the comparison weak
     for name, bits, method, more in (("int8", "8", "rtn", []), ("int4", "4", "mse", []),
-                                     ("int4kv8", "4", "mse", ["--kv-dtype", "int8"])):
+                                     ("int4kv8", "4", "mse", ["--kv-dtype", "int8"]),
+                                     ("int4min", "4", "rtn", ["--block-min", "on"])):
         subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / name),
                         "--bits", bits, "--method", method, *more, "--no-progress", "--no-check"], check=True,
                        stdout=subprocess.DEVNULL)
-    names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16"]
+    names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16", "int4min"]
     for name in names:
         export, extra = name, []
         for suffix, flags in ((LONE, LONE_FLAGS), (PLAIN, PLAIN_FLAGS)):
