@@ -1,9 +1,9 @@
 """`edgellm run` as aarch64 Python under qemu (a Raspberry Pi 4 CPU), with only numpy, onnxruntime and
 tokenizers installed, gives the host's greedy tokens for fp32, int8, int4, int4 with an int8 KV cache, int4 with block
 minima (quantize --block-min: AveragePool + MatMul beside MatMulNBits) and fp16-cache exports, int4 also through its
-lone-row stack (`--exact-decode off`, format 13), up to a near-tie where the host's top two logits are within 0.05 (the machines round differently); `--speculative auto` leaves greedy
-text as plain decoding gives it on the board; and each export's rows (decode step vs verification) are reported
-(bench/arm64_check.sh).
+lone-row stack (`--exact-decode off`, format 13), up to a near-tie where the host's top two logits are within 0.05
+(the machines round differently); `--speculative auto` leaves greedy text as plain decoding gives it on the board;
+and each export's rows (decode step vs verification) are reported (bench/arm64_check.sh).
 
 Cost on the 2-core dev VM: ~80 s cold (the sandbox downloads ~135 MB of Debian/PyPI packages into
 REPO/.arm64), ~20-25 s once the sandbox exists. Skipped where the sandbox cannot run (no sandbox script,
