@@ -41,7 +41,7 @@ from edgellm.runtime.manifest import (
 )
 from edgellm.runtime.tokenizer import copy_tokenizer
 
-from . import kv_cache, kv_int8, mixed, offset_grid
+from . import grids, kv_cache, kv_int8, mixed
 from .awq import Migrator
 from .calibrate import Calibration, calibrate
 from .headsplit import HeadSplit, plan_split, split_head
@@ -136,7 +136,7 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     if missing:
         raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
-    options = offset_grid.resolve(src, manifest, options, log)    # --block-min auto: on or off
+    options = grids.resolve(src, manifest, options, log)    # --block-min auto: on or off, a grid kept
     need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
          f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
          f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")

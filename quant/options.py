@@ -59,7 +59,7 @@ CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_f
 # layout: +1 bit per weight, an AveragePool per activation, a MatMul and an Add per linear: SmolLM2-135M decodes
 # ~0.75x as fast). "auto", the CLI's --bits 4 default: on when
 # every 4-bit linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it then keeps exactly
-# (offset_grid.py); "on" also for float weights (rounded min..max: --method rtn); "off": never
+# (grids.py); "on" also for float weights (rounded min..max: --method rtn); "off": never
 BLOCK_MINS = ("auto", "on", "off")
 # QuantizeOptions.kv_dtype: None, the export's cache as it is ("float32": and it must be an fp32 one); "auto", the
 # CLI's default: float16 where the export can hold one (kv_cache.py: half the bytes, quality within noise, decode

@@ -20,7 +20,7 @@ from edgellm.model import PRESETS
 from edgellm.quant.methods import QuantSpec
 from edgellm.quant.plan import QuantPlan
 from edgellm.quant.rewrite import quantize_model
-from edgellm.quant.schemes import Scheme, dequantize, on_offset_grid, quant_error, quantize
+from edgellm.quant.schemes import Scheme, dequantize, on_grid, quant_error, quantize
 from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
 from tests.quant_helpers import OPTIONS
 from tests.quant_helpers import quantize as quantize_export
@@ -55,12 +55,13 @@ def test_offsets_round_min_to_max_with_fp16_step_and_minimum() -> None:
 
 def test_a_q4_1_grid_comes_back_exactly_and_is_detected() -> None:
     w = q4_1_weight(16, 128)
-    assert on_offset_grid(w, 32) and np.abs(dequantize(quantize(w, MIN)) - w).max() <= 1e-6 * np.abs(w).max()
+    assert on_grid(w, MIN) and np.abs(dequantize(quantize(w, MIN)) - w).max() <= 1e-6 * np.abs(w).max()
     assert quant_error(w, quantize(w, Scheme(4, 32, True))).rel_rms_err > 0.01      # Q4_0's rule cannot
     assert quant_error(w, quantize(w, Scheme(4, 32, False))).rel_rms_err > 0.01     # nor an integer zero point
-    assert not on_offset_grid(w, 64)                       # a 64-block holds two grids
-    assert not on_offset_grid(w + 1e-4, 32)                # off by a fraction of a step
-    assert not on_offset_grid(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), 32)
+    assert not on_grid(w, Scheme(4, 64, False, True))      # a 64-block holds two grids
+    assert not on_grid(w + 1e-4, MIN)                      # off by a fraction of a step
+    assert not on_grid(w, Scheme(4, 32, True))             # not Q4_0's grid
+    assert not on_grid(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), MIN)
 
 
 def test_offsets_beat_symmetric_rounding_on_real_weights(stories260k) -> None:
@@ -134,7 +135,7 @@ def _quantize(src: Path, out: Path, capsys, *flags: str) -> tuple[int, str, dict
 def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, tmp_path, capsys) -> None:
     float_dir, grid_dir = grid_export
     code, err, record = _quantize(grid_dir, tmp_path / "grid-int4", capsys, "--bits", "4")
-    assert code == 0 and "--block-min auto: all 8 4-bit linears lie on a 32-weight grid" in err
+    assert code == 0 and "all 8 4-bit linears lie on Q4_1's 32-weight grid" in err
     assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "rtn")   # not awq: exact
     layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
     assert len(layers) == 8 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers.values())
@@ -237,3 +238,26 @@ def test_every_preset_computes_its_dequantized_model(preset: str, tmp_path) -> N
     want = torch_logits(ref, tokens)
     assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), preset
     assert np.abs(want - torch_logits(model, tokens)).max() > 1e-3                  # the rounding shows
+
+
+def test_awq_keeps_a_q4_0_grid_exactly(tmp_path, capsys) -> None:
+    """Weights on Q4_0's grid (a model converted from a Q4_0 GGUF) need no offsets: `auto` stays off, and the
+    --bits 4 default (AWQ: a scale migration of 0 and a clip ratio of 1 are in its search, and give error 0)
+    gives every layer weight back exactly."""
+    from edgellm.quant.schemes import with_fp16_scales
+
+    model = tiny_model("llama2", seed=3)
+    sym = Scheme(4, 32, True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("layers.") and p.dim() == 2:
+                w = p.numpy()
+                p.copy_(torch.from_numpy(dequantize(with_fp16_scales(w, quantize(w, sym)))))
+                assert on_grid(p.numpy(), sym) and not on_grid(p.numpy(), MIN)
+    src = tmp_path / "q4_0"
+    export_model(model, src, ExportOptions(granularity="layer", **OPTIONS), progress=False, log=lambda _: None)
+    code, err, record = _quantize(src, tmp_path / "int4", capsys, "--bits", "4")
+    assert code == 0 and "--block-min auto" not in err
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
+    layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]
+    assert len(layers) == 8 and all(not w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
