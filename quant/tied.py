@@ -82,7 +82,7 @@ def _fast_nodes(node: onnx.NodeProto, qw: QuantizedWeight, base: str, plan: Quan
     arr = plan.nbits(qw)
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     nb, bs = arr.b.shape[1], arr.block_size
-    half = plan.half_scales(arr, arr.scales)          # the head's fp16 copy (rewrite.py), cast per row
+    half = plan.half_scales(arr, arr.scales)    # the head's fp16 copy (rewrite.py), cast per row
     b = inits.add(f"{base}.q", arr.b)
     scales = inits.add(f"{base}.scales16", arr.scales.astype(np.float16)) if half else \
         inits.add(f"{base}.scales", arr.scales)
