@@ -5,8 +5,9 @@ Packings:
   MatMulNBits (bits 4|8): B uint8 [N, n_blocks, block_size * bits / 8], codes along K, low nibble first;
     scales float32 [N, n_blocks]; zero_points uint8 [N, ceil(n_blocks * bits / 8)] packed the same way,
     omitted when symmetric (and with block offsets, Scheme.offsets: float32 [N, n_blocks] the rewrite adds).
-    K is zero-padded to n_blocks * block_size (pad codes = zero point). The CPU kernel takes block_size 16..256 only, so a per-channel weight is stored as 256-blocks that repeat its
-    row scale (`expand_per_channel`): same codes, same numerics.
+    K is zero-padded to n_blocks * block_size (pad codes = zero point). The CPU kernel takes block_size 16..256
+    only, so a per-channel weight is stored as 256-blocks that repeat its row scale (`expand_per_channel`): same
+    codes, same numerics.
   DequantizeLinear (opset 21): x [K, N] int8/uint8 or int4/uint4 (two per byte, low nibble first, in
     row-major order, as ONNX packs 4-bit tensors); per-axis: scale [N], axis=1; block-wise: scale
     [ceil(K / block_size), N], axis=0, block_size attribute.
