@@ -137,6 +137,8 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     code, err, record = _quantize(grid_dir, tmp_path / "grid-int4", capsys, "--bits", "4")
     assert code == 0 and "all 8 4-bit linears lie on Q4_1's 32-weight grid" in err
     assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "rtn")   # not awq: exact
+    assert main(["info", str(tmp_path / "grid-int4")]) == 0
+    assert "precision: int4 g32 with block minima rtn, format fast" in capsys.readouterr().out
     layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
     assert len(layers) == 8 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers.values())
     # the quantized export computes the grid model: its layers add no error, only the int8 head / table does
