@@ -132,11 +132,15 @@ def quantize_export(src: Path, out: Path, options: QuantizeOptions, *, check: bo
     manifest = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.role not in STACK_ROLES))
     _check_paths(src, out)
     options.validate(manifest.n_layers)
-    missing = unmatched_keeps(options, _candidate_sites(src, manifest))     # a typo fails before any work
+    sites = _candidate_sites(src, manifest)
+    missing = unmatched_keeps(options, sites)     # a typo fails before any work
     if missing:
         raise EdgeError(f"{missing[0]}: matches no weight (module paths look like "
                         f"layers.0.attn.qkv, layers.0.mlp.down, lm_head, embed)")
     options = grids.resolve(src, manifest, options, log)    # --block-min auto: on or off, a grid kept
+    choose = options.chooser(manifest.n_layers)
+    for candidate in sites:  # a rule that cannot apply to a weight (--group P=0 on block minima) fails here too
+        choose(candidate)
     need(not options.split_head or manifest.format_version >= SPLIT_SINCE,
          f"{src}: --lm-head-int8-rows: an export of format {manifest.format_version} cannot carry a split head "
          f"(format {SPLIT_SINCE} or later; re-export it, or pass --lm-head-int8-rows 1)")

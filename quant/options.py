@@ -146,8 +146,7 @@ class QuantizeOptions:
                  "replaces its zero point)")
             need(self.method == "rtn", f"--block-min on: rounds each block's min..max (llama.cpp Q4_1's rule); "
                                        f"expected --method rtn, got {self.method}")
-            need(self.group != 0 and all(n for _, n in self.groups),
-                 "--block-min on: needs blocks (--group-size / --group N of 16..256, not 0)")
+            need(self.group != 0, "--block-min on: needs blocks (--group-size 16..256, not 0)")
         need(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
              f"--kv-dtype: expected {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.calibration_text is not None:
@@ -242,8 +241,12 @@ class QuantizeOptions:
             spec = inner(site)
             if spec is None or site.op == "Gather":  # a row lookup's table: per row, or the tied lm_head's
                 return spec
-            block = next((n for pattern, n in self.groups if site_matches(site, pattern)), None)
-            return spec if block is None else replace(spec, scheme=replace(spec.scheme, block_size=block))
+            rule = next(((pattern, n) for pattern, n in self.groups if site_matches(site, pattern)), None)
+            if rule is None:
+                return spec
+            need(rule[1] != 0 or not spec.scheme.offsets,
+                 f"--group {rule[0]}=0: {site.module or site.name} has block minima (--block-min), which need blocks")
+            return replace(spec, scheme=replace(spec.scheme, block_size=rule[1]))
         return choose
 
     def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,

@@ -152,8 +152,10 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     code, err, record = _quantize(float_dir, tmp_path / "float-int4", capsys, "--bits", "4")
     assert code == 0 and "--block-min" not in err
     assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
-    code, _, record = _quantize(float_dir, tmp_path / "float-min", capsys, "--bits", "4", "--block-min", "on")
+    code, _, record = _quantize(float_dir, tmp_path / "float-min", capsys, "--bits", "4", "--block-min", "on",
+                                "--group", "lm_head=0")              # a per-channel head: no offsets, allowed
     assert code == 0 and record["options"]["method"] == "rtn"
+    assert {record["weights"][f"lm_head.{part}.weight"]["block_size"] for part in ("hi", "lo")} == {0}
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
 
 
@@ -172,6 +174,7 @@ def _kl(ref: np.ndarray, got: np.ndarray) -> float:
     (["--bits", "4", "--block-min", "on", "--asymmetric"], "--block-min on: only with --bits 4"),
     (["--bits", "4", "--block-min", "on", "--format", "portable"], "--block-min on: only with --bits 4"),
     (["--bits", "4", "--block-min", "on", "--group-size", "0"], "--block-min on: needs blocks"),
+    (["--bits", "4", "--block-min", "on", "--group", "layers.0.*=0"], "--group layers.0.*=0: layers.0.attn.qkv has"),
     (["--bits", "4", "--block-min", "yes"], "--block-min: invalid choice"),
 ])
 def test_block_min_errors_are_one_line(grid_export, tmp_path, capsys, flags: list[str], message: str) -> None:
