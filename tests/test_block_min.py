@@ -266,3 +266,15 @@ def test_awq_keeps_a_q4_0_grid_exactly(tmp_path, capsys) -> None:
     assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
     layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]
     assert len(layers) == 8 and all(not w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
+
+
+def test_kl_budget_climbs_to_block_minima_on_a_grid(grid_export, tmp_path, capsys) -> None:
+    """--kl-budget resolves --block-min auto rung by rung: on a Q4_1 grid the g64 rung (no grid at 64) is AWQ's and
+    misses a tight budget, the g32 rung keeps the grid with block minima and is kept."""
+    code = main(["quantize", str(grid_export[1]), "-o", str(tmp_path / "b"), "--bits", "4", "--kl-budget", "0.01",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "--kl-budget 0.01: int4-g64" in out and "int4-g32" in out
+    record = json.loads((tmp_path / "b" / "manifest.json").read_text())["quantization"]
+    layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]
+    assert record["options"]["block_min"] == "on" and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
