@@ -32,7 +32,7 @@ from edgellm.runtime.errors import need
 
 from .headsplit import HI, LO, part_name
 from .methods import QuantSpec
-from .plan import Chooser, Format, QuantPlan, WeightSite, by_pattern, site_matches
+from .plan import SCALES_DTYPES, Chooser, Format, QuantPlan, WeightSite, by_pattern, site_matches
 from .schemes import Scheme
 
 BITS = (4, 8)
@@ -68,15 +68,6 @@ BLOCK_MINS = ("auto", "on", "off")
 # grounded tasks 13-30 % slower (onnxruntime's int8 attention runs several rows in its reference kernel), and costs
 # int8 weights KL 0.0055 -> 0.0096 (kv_int8.py)
 KV_DTYPES = ("auto", "float32", "float16", "int8")
-# QuantizeOptions.scales_dtype: how the fast format stores MatMulNBits' scales (their values are fp16-rounded
-# either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
-# into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
-# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
-# Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk; with block minima their offsets too, 6 bits per weight
-# on disk: SmolLM2 103.5 MB, 25 MB less RSS once open than fp16's 5 bits, Q4_1's), float16 for 8-bit ones (Q8_0's
-# 8.5 bits per weight)
-SCALES_DTYPES = {"auto": ("int8",), "float16": ("int4", "int8", "int4-min"),
-                 "float32": ()}  # -> QuantPlan.fp16_stored
 ACCURACY_LEVELS = (0, 1, 4)             # fp32, fp32 (same kernels on CPU), int8 activations
 TIED_NAMES = ("embed.weight", "lm_head.weight")
 

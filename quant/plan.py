@@ -39,6 +39,16 @@ FORMATS: tuple[Format, ...] = get_args(Format)
 # int8 kernel), at a relative output error of ~1e-2 instead of ~1e-7. ORT-genai also defaults to 4 on CPU.
 DEFAULT_ACCURACY_LEVEL = 4
 NBITS_BLOCKS = (256, 128, 64, 32, 16)   # what onnxruntime's CPU MatMulNBits kernel takes
+# `--scales-dtype` (QuantizeOptions.scales_dtype): how the fast format stores MatMulNBits' scales (their values
+# are fp16-rounded either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
+# into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
+# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
+# Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk; with block minima their offsets too, 6 bits per weight
+# on disk: SmolLM2 103.5 MB, 25 MB less RSS once open than fp16's 5 bits, Q4_1's), float16 for 8-bit ones (Q8_0's
+# 8.5 bits per weight)
+# (kinds: "int4", "int8", and "int4-min" for 4-bit weights with block offsets, whose offsets follow their scales)
+SCALES_DTYPES = {"auto": ("int8",), "float16": ("int4", "int8", "int4-min"),
+                 "float32": ()}  # -> QuantPlan.fp16_stored
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,8 @@ class QuantPlan:
     # the MatMulNBits bit widths whose fp16-rounded scales the fast format stores fp16 (+ the Cast); the others
     # are stored float32, as MatMulNBits reads them: onnxruntime keeps a scale initializer for the session's life
     # next to its packed copy, and a float32 one the runtime maps and releases (placement.Placement.packed_scales)
-    # where the Cast's folded float32 copy stays resident (options.SCALES_DTYPES)
-    # (kinds: "int4", "int8", and "int4-min" for 4-bit weights with block offsets, whose offsets follow their scales)
-    fp16_stored: tuple[str, ...] = ("int4", "int8", "int4-min")
+    # where the Cast's folded float32 copy stays resident (SCALES_DTYPES: "auto" unless given)
+    fp16_stored: tuple[str, ...] = SCALES_DTYPES["auto"]
     # tables the lm_head also reads (a tied model's embed.weight): their row lookups are quant/tied.py's, which
     # gathers the lm_head's quantized codes, not a second table of rewrite.py's own
     tied: frozenset[str] = frozenset()

@@ -36,7 +36,7 @@ def _precision(m: Manifest) -> str:
 
 
 def _scales(options: dict) -> str:
-    """How the block scales are stored (quant/options.SCALES_DTYPES; not recorded before --scales-dtype)."""
+    """How the block scales are stored (quant/plan.SCALES_DTYPES; not recorded before --scales-dtype)."""
     kind = options.get("scales_dtype")
     if kind == "auto":
         return ", scales float32 for 4-bit weights, float16 for 8-bit"
