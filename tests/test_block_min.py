@@ -21,6 +21,7 @@ from edgellm.quant.methods import QuantSpec
 from edgellm.quant.plan import QuantPlan
 from edgellm.quant.rewrite import quantize_model
 from edgellm.quant.schemes import Scheme, dequantize, on_grid, quant_error, quantize
+from edgellm.runtime.metrics import kl_divergence
 from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
 from tests.quant_helpers import OPTIONS
 from tests.quant_helpers import quantize as quantize_export
@@ -146,7 +147,8 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     assert code == 0 and all(w["rel_rms_err"] > 0.01 for n, w in off["weights"].items() if n.startswith("layers."))
     prompt = list(range(3, 19))
     ref, _ = onnx_generate_logits(grid_dir, prompt, 0)
-    kl = {name: _kl(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]) for name in ("grid-int4", "grid-off")}
+    kl = {name: float(kl_divergence(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]).mean())
+          for name in ("grid-int4", "grid-off")}
     assert kl["grid-int4"] < 0.5 * kl["grid-off"], kl
     # trained-like float weights: auto stays off, and the --bits 4 default (awq) applies
     code, err, record = _quantize(float_dir, tmp_path / "float-int4", capsys, "--bits", "4")
@@ -157,15 +159,6 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     assert code == 0 and record["options"]["method"] == "rtn"
     assert {record["weights"][f"lm_head.{part}.weight"]["block_size"] for part in ("hi", "lo")} == {0}
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
-
-
-def _kl(ref: np.ndarray, got: np.ndarray) -> float:
-    p = np.exp(ref - ref.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    lq = got - got.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    lp = np.log(p)
-    return float((p * (lp - lq)).sum(-1).mean())
 
 
 @pytest.mark.parametrize(("flags", "message"), [
