@@ -109,17 +109,16 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
     """MatMulNBits weight inputs [B, scales, zp?], their bytes, the shape attributes and, for block offsets, the
     offset term's (initializer [nb, N], K, block)."""
     arr = plan.nbits(qw)
-    names, total = [], 0
-    for suffix, value in (("q", arr.b), ("scales", arr.scales), ("zp", arr.zero_points)):
-        if value is None:
-            continue
-        if suffix == "scales" and plan.half_scales(arr, value):
-            # stored fp16; MatMulNBits takes the activations' type, so a Cast (folded at session creation)
-            names.append(b.cast_fp16(f"{name}.scales", value))
-            total += value.size * 2
-        else:
-            names.append(b.array(f"{name}.{suffix}", value)[0])
-            total += value.nbytes
+    names, total = [b.array(f"{name}.q", arr.b)[0]], arr.b.nbytes
+    if plan.half_scales(arr, arr.scales):
+        # stored fp16; MatMulNBits takes the activations' type, so a Cast (folded at session creation)
+        scales, total = b.cast_fp16(f"{name}.scales", arr.scales), total + arr.scales.size * 2
+    else:
+        scales, total = b.array(f"{name}.scales", arr.scales)[0], total + arr.scales.nbytes
+    names.append(scales)
+    if arr.zero_points is not None:
+        names.append(b.array(f"{name}.zp", arr.zero_points)[0])
+        total += arr.zero_points.nbytes
     attrs = {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
     if arr.offsets is None:
         return names, total, attrs, None
@@ -129,7 +128,7 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
     if plan.half_scales(arr, m):    # m fp16 beside the fp16 scales; the weights folded at session creation
         p = b.fresh(f"{name}.offsets")
         s_t, s8, o = f"{p}/scales_t", f"{p}/scales_x8", f"{p}/sum"
-        b.prologue += [helper.make_node("Transpose", [names[1]], [s_t], name=s_t, perm=[1, 0]),
+        b.prologue += [helper.make_node("Transpose", [scales], [s_t], name=s_t, perm=[1, 0]),
                        helper.make_node("Mul", [s_t, b.const("offsets.eight", np.array(8, np.float32))], [s8], name=s8),
                        helper.make_node("Add", [b.cast_fp16(f"{name}.minima", m), s8], [o], name=o),
                        helper.make_node("Mul", [o, b.const(f"offsets.block{arr.block_size}", np.array(block))], [p],
