@@ -42,7 +42,7 @@ NBITS_BLOCKS = (256, 128, 64, 32, 16)   # what onnxruntime's CPU MatMulNBits ker
 # `--scales-dtype` (QuantizeOptions.scales_dtype): how the fast format stores MatMulNBits' scales (their values
 # are fp16-rounded either way: `fp16_scales`). float16 halves their bytes, but onnxruntime keeps the float32 copy it folds the Cast
 # into for the session's life, next to the packed weights; float32 scales the runtime maps and releases once
-# packed (placement.Placement.packed_scales). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
+# packed (placement.Placement.packed_files). "auto": float32 for 4-bit weights (peak RSS: SmolLM2-135M int4 -15 MB,
 # Qwen2.5-0.5B int4 -58 MB, for +0.5 bit per weight on disk; with block minima their offsets too, 6 bits per weight
 # on disk: SmolLM2 103.5 MB, 25 MB less RSS once open than fp16's 5 bits, Q4_1's), float16 for 8-bit ones (Q8_0's
 # 8.5 bits per weight)
@@ -91,7 +91,7 @@ class QuantPlan:
     fp16_scales: bool = False
     # the MatMulNBits bit widths whose fp16-rounded scales the fast format stores fp16 (+ the Cast); the others
     # are stored float32, as MatMulNBits reads them: onnxruntime keeps a scale initializer for the session's life
-    # next to its packed copy, and a float32 one the runtime maps and releases (placement.Placement.packed_scales)
+    # next to its packed copy, and a float32 one the runtime maps and releases (placement.Placement.packed_files)
     # where the Cast's folded float32 copy stays resident (SCALES_DTYPES: "auto" unless given)
     fp16_stored: tuple[str, ...] = SCALES_DTYPES["auto"]
     # tables the lm_head also reads (a tied model's embed.weight): their row lookups are quant/tied.py's, which

@@ -142,7 +142,7 @@ class GraphInfo:
     # other input an AveragePool makes (the block-offset term of 4-bit weights with block minima: quant/rewrite.py):
     # onnxruntime packs them when it pre-packs, yet keeps its own copy for the session's life (placement.plan maps
     # them instead)
-    nbits_scales: frozenset[str] = frozenset()
+    packed_consts: frozenset[str] = frozenset()
 
 
 def read_graph_info(path: Path) -> GraphInfo:

@@ -64,20 +64,21 @@ class Placement:
     prepack: bool                # onnxruntime pre-packs (and loads the data itself, lookup tables aside)
     release: tuple[str, ...]     # data files (relative paths) to release from RSS after each run
     tables: tuple[str, ...] = ()  # lookup-table files (read only by Gather) to release every few runs
-    # data files holding float32 MatMulNBits scales of a pre-packed graph, released once its session is open:
+    # data files holding the packed-once constants of a pre-packed graph (GraphInfo.packed_consts: float32
+    # MatMulNBits scales, the block-offset term's weights), released once its session is open:
     # onnxruntime copies them into the packed weights yet keeps the initializer for the session's life (its own
     # map of the file, or the float32 copy it folds an fp16 scale's Cast into); from the shared map their pages
     # leave the RSS once packed (and come back from the file, should a kernel read them again)
-    packed_scales: tuple[str, ...] = ()
+    packed_files: tuple[str, ...] = ()
 
     @property
     def mapped(self) -> frozenset[str]:
         """The external initializers the runtime hands this graph's session from its shared maps: all of them
         when the graph reads its weights in place; when it pre-packs, the lookup tables (Gather's) and the
-        MatMulNBits scales (`packed_scales`)."""
+        constants onnxruntime packs once (`packed_files`)."""
         if not self.prepack:
             return frozenset(t.name for t in self.info.external)
-        return self.info.gathered | self.info.nbits_scales
+        return self.info.gathered | self.info.packed_consts
 
 
 def _unit(spec: GraphSpec) -> tuple[str, int | None]:
@@ -139,7 +140,7 @@ def plan(directory: Path, manifest: Manifest, prepack_prefill: bool | None, stac
         # files the graph reads only by Gather (an embedding table): see the module docstring
         tables = files[g.name] - {t.location for t in info.external if t.name not in info.gathered} - kept
         folder = PurePosixPath(g.file).parent
-        scales = {str(folder / t.location) for t in info.external if t.name in info.nbits_scales}
+        packed = {str(folder / t.location) for t in info.external if t.name in info.packed_consts}
         out[g.name] = Placement(info, prepack[g.name], tuple(sorted(release)), tuple(sorted(tables - release)),
-                                tuple(sorted(scales)) if prepack[g.name] else ())
+                                tuple(sorted(packed)) if prepack[g.name] else ())
     return out

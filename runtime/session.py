@@ -310,7 +310,7 @@ def open_placed(path: Path, spec: GraphSpec, where: Placement, config: SessionCo
     declared I/O against the manifest: the one way the runtime, and the diff that mirrors it, open graphs."""
     options = session_options(config, where.prepack)
     weights.add_to(options, path, where.info, where.mapped)
-    with _released_while(weights, where.packed_scales):
+    with _released_while(weights, where.packed_files):
         session = open_session(path, options)
     weights.drop_cached_tables()
     check_io(session, spec)

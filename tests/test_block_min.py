@@ -202,8 +202,8 @@ def test_float32_offsets_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> 
     assert len(offsets) == 8 and offsets <= {t.name for t in stack.graph.initializer}
     engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
     place = engines[0].placement["stack.decode"]
-    assert offsets <= place.mapped and place.packed_scales
-    files = [Path(f).name for f in place.packed_scales]
+    assert offsets <= place.mapped and place.packed_files
+    files = [Path(f).name for f in place.packed_files]
     prompt = list(range(1, 12))
     assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
     for t in (5, 9, 200):

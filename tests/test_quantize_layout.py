@@ -186,8 +186,8 @@ def test_float32_scales_leave_the_rss_once_packed(tied, tmp_path) -> None:
     assert scales == {4: onnx.TensorProto.FLOAT, 8: None}  # int8's: a Cast's output
     engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
     place = engines[0].placement["stack.decode"]
-    assert place.prepack and place.packed_scales and engines[1].placement["stack.decode"].packed_scales == ()
-    files = [Path(f).name for f in place.packed_scales]
+    assert place.prepack and place.packed_files and engines[1].placement["stack.decode"].packed_files == ()
+    files = [Path(f).name for f in place.packed_files]
     assert all(mapped_kb(f) == 0 for f in files)  # released once packed
     prompt = list(range(1, 12))
     assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
