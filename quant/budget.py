@@ -54,7 +54,7 @@ def variants(options: QuantizeOptions) -> list[tuple[str, QuantizeOptions]]:
     """The ladder with the user's other flags; --act-order only where the method is gptq."""
     out = []
     for label, change in LADDER:
-        v = dataclasses.replace(options, **change)
+        v = dataclasses.replace(options, grid_head_rows=None, **change)   # each rung's rows are its label's
         if v.method != "gptq":
             v = dataclasses.replace(v, act_order=False)
         if not v.calibrated:    # a rung that reads no calibration (rtn, no split) has no use for the text

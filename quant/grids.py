@@ -1,14 +1,16 @@
-"""`--block-min auto`: whether an export's 4-bit linears already lie on Q4_1's grid, and then keep it exactly.
+"""`--block-min auto`: whether an export's linears already lie on llama.cpp's grids, and then keep each exactly.
 
-A model converted from a llama.cpp Q4_1 GGUF holds, in every 32-weight block of every linear, values `m + q * d`
-(q = 0..15, d and m fp16): a 4-bit grid with a float offset. Rounding such weights again onto a symmetric grid,
-or AWQ's scaled one, adds a second rounding error on top of the first (SmolLM2-135M-Instruct, whose only copy
-here is a Q4_1 GGUF: KL 0.22 to its fp32 weights with the --bits 4 default); blocks with offsets
-(schemes.Scheme.offsets) give them back exactly. So `auto` turns them on, rounded to nearest, when every linear
-the plan makes 4-bit lies on that grid at its block size, and off otherwise (the first weight off it ends the
-scan: a trained float weight is ~a quarter step off in most blocks). Q4_0's symmetric grid needs nothing of the
-kind: AWQ's own search keeps it (scale migration 0 and clip ratio 1 give error 0; llama.cpp's Q4_0 GGUF of
-SmolLM2: all 120 linears back exactly, docs/quantization.md).
+A model converted from a 4-bit llama.cpp GGUF holds, in every block of every linear, the values its blocks
+dequantize to (quant/gridfit.py): Q4_0's symmetric 4-bit grid, Q4_1's or Q4_K's 4-bit grid with a float offset,
+and, for the tensors a k-quant mix gave more bits (Q4_K_M: Q5_0, Q6_K, Q8_0), symmetric grids of up to 8 bits.
+Rounding such weights again (AWQ's scaled grid, or any other) adds a second rounding error on top of the first:
+SmolLM2-135M-Instruct, whose only copy here is a Q4_1 GGUF, KL 0.22 to its fp32 weights with AWQ; Gemma 3 270M
+(a Q4_K_M GGUF: Q4_K, Q5_0, Q6_K and Q8_0 linears) 0.127. So `auto` keeps every linear the plan makes 4-bit on its
+own grid when all of them lie on one and at least one on a 4-bit grid (the source was a 4-bit quantization;
+weights all on 5-8 bit grids are quantized to 4 bits as asked): 4-bit grids in 4 bits (blocks with offsets where
+they have one, schemes.Scheme.offsets), finer ones in int8 at the block size they fit (32, or Q6_K's 16), all with
+the step (and offset) recovered exactly (`--method grid` in the record). A trained float weight lies on none:
+the first such linear ends the scan, and `auto` is off.
 """
 
 from __future__ import annotations
@@ -17,46 +19,71 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.manifest import Manifest
 
+from .gridfit import fit
 from .onnxedit import load_graph
 from .options import QuantizeOptions
-from .schemes import on_grid
+from .schemes import Scheme
 from .sites import matmul_weights
 
+FINER_BLOCKS = (16,)   # an int8 grid that does not fit the linears' block size: Q6_K's scales per 16 weights
 
-def all_on_grid(src: Path, manifest: Manifest, options: QuantizeOptions) -> int:
-    """How many 4-bit linears `options` would make, if every one lies on its scheme's grid; 0 at the first that
-    does not (or when there is none)."""
+
+def own_scheme(w: np.ndarray, block: int) -> Scheme | None:
+    """The scheme whose grid w [N, K] lies on, the fewest bits first (symmetric 4-bit, 4-bit with offsets,
+    symmetric 8-bit at `block`, then at FINER_BLOCKS); None for a weight on no such grid."""
+    candidates = [Scheme(4, block, True), Scheme(4, block, False, True), Scheme(8, block, True)]
+    candidates += [Scheme(8, b, True) for b in FINER_BLOCKS if b < block]
+    return next((s for s in candidates if fit(w, s) is not None), None)
+
+
+def own_grids(src: Path, manifest: Manifest, options: QuantizeOptions) -> dict[str, Scheme] | None:
+    """{weight: its own grid's scheme} for every linear `options` would make 4-bit, if each lies on one and at
+    least one is 4-bit; None at the first that lies on none (or when none is 4-bit)."""
     choose = options.chooser(manifest.n_layers)
-    checked = 0
+    found: dict[str, Scheme] = {}
     for g in manifest.graphs:
         if g.role != "layer" or g.seq != manifest.prefill_chunk:
             continue
         for site, w in matmul_weights(load_graph(safe_join(src, g.file), True).graph):
             spec = choose(site)
-            if spec is None or spec.scheme.bits != 4:
+            if spec is None or spec.scheme.bits != 4 or site.name in found:
                 continue
-            if spec.scheme.block_size == 0 or not on_grid(w, spec.scheme):
-                return 0
-            checked += 1
-    return checked
+            scheme = own_scheme(w, spec.scheme.block_size) if spec.scheme.block_size else None
+            if scheme is None:
+                return None
+            found[site.name] = scheme
+    return found if any(s.bits == 4 for s in found.values()) else None
 
 
 def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
             log: Callable[[str], None]) -> QuantizeOptions:
-    """`options` with `block_min` "auto" made "on" (and --method rtn) or "off"; other values as they are."""
+    """`options` with `block_min` "auto" resolved: grids found -> `--method grid` with every linear's own scheme
+    (block_min "on" when any has offsets), else "off"; other values as they are."""
     if options.block_min != "auto":
         return options
+    off = dataclasses.replace(options, block_min="off")
     if options.bits != 4 or options.format != "fast" or not options.symmetric or options.group == 0:
-        return dataclasses.replace(options, block_min="off")
-    found = dataclasses.replace(options, block_min="on", method="rtn")
-    checked = all_on_grid(src, manifest, found)
-    if not checked:
-        return dataclasses.replace(options, block_min="off")
-    log(f"--block-min auto: all {checked} 4-bit linears lie on Q4_1's {options.group}-weight grid (as a model "
-        f"converted from a Q4_1 GGUF does): kept exactly, in blocks with offsets, rounded to nearest"
-        + (f" (not --method {options.method}, which would move them off it)" if options.method != "rtn" else "")
-        + "; --block-min off decodes ~1.3x faster, at a second rounding's error")
-    return found
+        return off
+    found = own_grids(src, manifest, off)
+    if not found:
+        return off
+    kinds: dict[str, int] = {}
+    for s in found.values():
+        label = ("4-bit with offsets (Q4_1/Q4_K)" if s.offsets else "4-bit symmetric (Q4_0)" if s.bits == 4
+                 else "8-bit symmetric at block 16 (Q6_K)" if s.block_size == 16
+                 else f"8-bit symmetric at block {s.block_size} (Q5_0/Q8_0)")
+        kinds[label] = kinds.get(label, 0) + 1
+    log(f"--block-min auto: all {len(found)} linears lie on llama.cpp grids (a model converted from a GGUF), kept "
+        f"exactly: {', '.join(f'{n} {k}' for k, n in kinds.items())}"
+        + (f" (not --method {options.method}, which would move them off)" if options.method != "rtn" else "")
+        + ("; --block-min off decodes faster, at a second rounding's error" if any(s.offsets for s in found.values())
+           else ""))
+    kept = tuple(sorted((name, s.bits, s.block_size, s.offsets) for name, s in found.items()))
+    rows = options.head_int8_rows if options.grid_head_rows is None else options.grid_head_rows
+    return dataclasses.replace(options, block_min="on" if any(s.offsets for s in found.values()) else "off",
+                               method="grid", kept_grids=kept, head_int8_rows=rows)

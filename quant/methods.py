@@ -34,7 +34,8 @@ from .schemes import (
 )
 
 METHODS = ("rtn", "mse")
-SPEC_METHODS = METHODS + ("gptq",)   # gptq (gptq.py) needs a Hessian, which the plan holds
+# gptq (gptq.py) needs a Hessian, which the plan holds; grid (gridfit.py) keeps a weight's own grid exactly
+SPEC_METHODS = METHODS + ("gptq", "grid")
 CLIP_RATIOS = np.linspace(0.5, 1.0, 21)      # step 0.025; 1.0 (= RTN) must stay in the grid
 
 

@@ -37,10 +37,10 @@ from .schemes import Scheme
 
 BITS = (4, 8)
 GROUPS = (0, 16, 32, 64, 128, 256)      # 0 = one scale per output channel; 16..256: onnxruntime's kernel
-Method = Literal["rtn", "mse", "awq", "gptq"]
+Method = Literal["rtn", "mse", "awq", "gptq", "grid"]   # grid: set by --block-min auto (grids.py), not a flag
 Embeddings = Literal["int8", "fp32"]
 LmHead = Literal["int8", "int4", "fp32"]
-METHODS: tuple[Method, ...] = get_args(Method)
+METHODS: tuple[Method, ...] = get_args(Method)[:-1]
 EMBEDDINGS: tuple[Embeddings, ...] = get_args(Embeddings)
 LM_HEADS: tuple[LmHead, ...] = get_args(LmHead)
 INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp16 scale = 8.5 bits/weight)
@@ -51,10 +51,13 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
 # at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
 # stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
+# Where --block-min auto keeps the linears' own grids exactly (grids.py), the table's int4 rows are the error left, so
+# 45 % of its rows int8 (harness, 2026-11-27: Gemma 3 270M KL 0.0110 at 235.5 MB -> 0.0031 at 246.7; SmolLM2
+# 0.0186 at 103.0 -> 0.0161 at 104.8; with AWQ's linears the table's rows bought ~10x less KL per byte).
 CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
-                                     "kv_dtype": "auto", "block_min": "auto"},
+                                     "grid_head_rows": 0.45, "kv_dtype": "auto", "block_min": "auto"},
                                  8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
-                                     "kv_dtype": "auto", "block_min": "off"}}
+                                     "grid_head_rows": None, "kv_dtype": "auto", "block_min": "off"}}
 # QuantizeOptions.block_min: 4-bit linears with a float offset per block (schemes.Scheme.offsets, llama.cpp Q4_1's
 # layout: +1 bit per weight, an AveragePool per activation, a MatMul and an Add per linear: SmolLM2-135M decodes
 # ~0.75x as fast). "auto", the CLI's --bits 4 default: on when
@@ -95,6 +98,12 @@ class QuantizeOptions:
     kv_dtype: str | None = None         # `--kv-dtype` (kv_cache.py); None: the export's cache as it is
     scales_dtype: str = "auto"          # `--scales-dtype` (SCALES_DTYPES)
     block_min: str = "off"              # `--block-min` (BLOCK_MINS)
+    # what `--block-min auto` found (grids.py; method "grid"): (weight, bits, block size, offsets) of every linear
+    # kept exactly on its own grid
+    kept_grids: tuple[tuple[str, int, int, bool], ...] = ()
+    # the split head's int8 rows when `--block-min auto` keeps the linears' grids (None: head_int8_rows as it is):
+    # the table's int4 rows are then the largest error left, so rows buy more there (CLI_DEFAULTS, grids.py)
+    grid_head_rows: float | None = None
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -128,6 +137,8 @@ class QuantizeOptions:
         need(not self.split_head or self.format == "fast",
              "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
              "a tied lookup)")
+        need(self.grid_head_rows is None or 0.0 < self.grid_head_rows <= 1.0,
+             f"grid_head_rows: expected a fraction in (0, 1], got {self.grid_head_rows!r}")
         need(self.scales_dtype in SCALES_DTYPES,
              f"--scales-dtype: expected {', '.join(SCALES_DTYPES)}, got {self.scales_dtype!r}")
         need(self.block_min in BLOCK_MINS, f"--block-min: expected {', '.join(BLOCK_MINS)}, got {self.block_min!r}")
@@ -165,8 +176,9 @@ class QuantizeOptions:
         return 32 if self.bits == 4 else INT8_GROUP
 
     def _spec(self, scheme: Scheme) -> QuantSpec:
-        # awq is the mse search, made activation-aware by the plan's act_scales
-        return QuantSpec(scheme, "mse" if self.method == "awq" else self.method)
+        # awq is the mse search, made activation-aware by the plan's act_scales; "grid" (grids.py) is only for
+        # the linears it found on a grid (`kept_grids`): any other weight is rounded to nearest
+        return QuantSpec(scheme, {"awq": "mse", "grid": "rtn"}.get(self.method, self.method))
 
     def linear_spec(self) -> QuantSpec:
         offsets = self.block_min == "on"
@@ -214,7 +226,8 @@ class QuantizeOptions:
     def low_rows_spec(self) -> QuantSpec:
         """The int4 rows of a split head: rounded to nearest, the rounding their importance was measured with
         (headsplit.py), with no activation scales of their own for awq's weighted search."""
-        return QuantSpec(self.int4_head_spec().scheme, "rtn" if self.method in ("awq", "mse") else self.method)
+        return QuantSpec(self.int4_head_spec().scheme,
+                         "rtn" if self.method in ("awq", "mse", "grid") else self.method)
 
     def chooser(self, n_layers: int, promoted: frozenset[str] = frozenset()) -> Chooser:
         """`promoted`: module paths or initializer names that get int8 (`--int8-fraction`'s choice)."""
@@ -224,6 +237,8 @@ class QuantizeOptions:
                   ("lm_head", self.lm_head_spec())]
         rules += [(f"layers.{i % n_layers}.*", self.promoted_spec()) for i in self.int8_layers]
         rules += [(name, self.promoted_spec()) for name in sorted(promoted)]
+        rules += [(name, QuantSpec(Scheme(bits, block, not offsets, offsets), "grid"))
+                  for name, bits, block, offsets in self.kept_grids]
         embed = self.int8_spec() if self.embeddings == "int8" else None
         inner = by_pattern(self.linear_spec(), rules, embed=embed, embed_pattern="embed")
 
@@ -257,6 +272,7 @@ class QuantizeOptions:
         d["group_size"], d["lm_head"] = self.group, self.head
         d["keep"], d["int8_layers"] = list(self.keep), list(self.int8_layers)
         d["groups"] = [list(rule) for rule in self.groups]
+        d["kept_grids"] = [list(rule) for rule in self.kept_grids]
         return d
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from edgellm.runtime.errors import need
 
 from .gptq import gptq_quantize
+from .gridfit import fit
 from .methods import QuantSpec, quantize_weight
 from .packing import NBitsArrays, expand_per_channel, to_matmulnbits
 from .schemes import QuantError, QuantizedWeight, fp16_exact, quant_error, with_fp16_scales
@@ -122,11 +123,16 @@ class QuantPlan:
         key = (site.name, spec, act is not None, h is not None, w.shape, digest)
         hit = self.memo.get(key)
         if hit is None:
-            if h is not None:
+            if spec.method == "grid":      # its own grid, step (and offset) as the source stored them
+                kept = fit(np.asarray(w, np.float32), spec.scheme)
+                need(kept is not None, f"{site.module or site.name}: no longer on the grid it was found on "
+                                       f"({spec.scheme.label}); quantize the fp32 export again")
+                qw = kept
+            elif h is not None:
                 qw = gptq_quantize(w, h, spec.scheme, self.act_order)
             else:
                 qw = quantize_weight(w, spec.scheme, "mse" if spec.method == "gptq" else spec.method, act)
-            if self.fp16_scales:
+            if self.fp16_scales and spec.method != "grid":
                 qw = with_fp16_scales(w, qw, recode=h is None)
             hit = self.memo[key] = (qw, quant_error(w, qw))
         return hit

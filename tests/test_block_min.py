@@ -136,10 +136,11 @@ def _quantize(src: Path, out: Path, capsys, *flags: str) -> tuple[int, str, dict
 def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, tmp_path, capsys) -> None:
     float_dir, grid_dir = grid_export
     code, err, record = _quantize(grid_dir, tmp_path / "grid-int4", capsys, "--bits", "4")
-    assert code == 0 and "all 8 4-bit linears lie on Q4_1's 32-weight grid" in err
-    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "rtn")   # not awq: exact
+    assert code == 0 and "all 8 linears lie on llama.cpp grids" in err and "8 4-bit with offsets (Q4_1/Q4_K)" in err
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "grid")   # not awq: exact
     assert main(["info", str(tmp_path / "grid-int4")]) == 0
-    assert "precision: int4 g32 with block minima rtn, format fast" in capsys.readouterr().out
+    assert ("precision: int4 g32 on their own grids (8 4-bit, 8 of them with block minima; 0 8-bit), format fast"
+            in capsys.readouterr().out)
     layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
     assert len(layers) == 8 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers.values())
     # the quantized export computes the grid model: its layers add no error, only the int8 head / table does
@@ -238,10 +239,10 @@ def test_every_preset_computes_its_dequantized_model(preset: str, tmp_path) -> N
     assert np.abs(want - torch_logits(model, tokens)).max() > 1e-3                  # the rounding shows
 
 
-def test_awq_keeps_a_q4_0_grid_exactly(tmp_path, capsys) -> None:
-    """Weights on Q4_0's grid (a model converted from a Q4_0 GGUF) need no offsets: `auto` stays off, and the
-    --bits 4 default (AWQ: a scale migration of 0 and a clip ratio of 1 are in its search, and give error 0)
-    gives every layer weight back exactly."""
+def test_a_q4_0_grid_is_kept_without_offsets_and_awq_keeps_it_too(tmp_path, capsys) -> None:
+    """Weights on Q4_0's grid (a model converted from a Q4_0 GGUF) need no offsets: `auto` keeps them on their
+    symmetric grid (block minima off); AWQ (`--block-min off`: a scale migration of 0 and a clip ratio of 1 are
+    in its search, and give error 0) gives every layer weight back exactly too."""
     from edgellm.quant.schemes import with_fp16_scales
 
     model = tiny_model("llama2", seed=3)
@@ -255,6 +256,11 @@ def test_awq_keeps_a_q4_0_grid_exactly(tmp_path, capsys) -> None:
     src = tmp_path / "q4_0"
     export_model(model, src, ExportOptions(granularity="layer", **OPTIONS), progress=False, log=lambda _: None)
     code, err, record = _quantize(src, tmp_path / "int4", capsys, "--bits", "4")
+    assert code == 0 and "8 4-bit symmetric (Q4_0)" in err
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "grid")
+    layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]
+    assert len(layers) == 8 and all(not w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
+    code, err, record = _quantize(src, tmp_path / "awq", capsys, "--bits", "4", "--block-min", "off")
     assert code == 0 and "--block-min auto" not in err
     assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
     layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]

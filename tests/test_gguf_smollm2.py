@@ -91,8 +91,10 @@ def test_int4_default_keeps_the_q4_1_grid(exported, tmp_path, capsys):
 
     out = tmp_path / "int4"
     assert main(["quantize", str(exported), "-o", str(out), "--bits", "4", "--no-progress", "--no-check"]) == 0
-    assert "--block-min auto: all 120 4-bit linears lie on Q4_1's 32-weight grid" in capsys.readouterr().err
+    assert ("--block-min auto: all 120 linears lie on llama.cpp grids (a model converted from a GGUF), kept exactly: "
+            "120 4-bit with offsets (Q4_1/Q4_K)") in capsys.readouterr().err
     record = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert record["options"]["method"] == "grid" and record["options"]["head_int8_rows"] == 0.45
     layers = [w for name, w in record["weights"].items() if name.startswith("layers.")]
     assert len(layers) == 120 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
     ids = Generator.open(exported).encode(TEXT)

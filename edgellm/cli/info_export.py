@@ -30,7 +30,13 @@ def _precision(m: Manifest) -> str:
     linears = f"int{bits}" + (" per channel" if block == 0 else f" g{block if block is not None else '?'}")
     fmt = o.get("format", "?")
     kind = "with block minima" if o.get("block_min") == "on" else "sym" if o.get("symmetric", True) else "asym"
-    return (f"{linears} {kind} {o.get('method', '?')}, format {fmt}"
+    method = o.get("method", "?")
+    if method == "grid":      # --block-min auto kept every linear on its own grid (quant/grids.py)
+        kept = [k for k in o.get("kept_grids") or [] if isinstance(k, list) and len(k) == 4]
+        n4 = sum(1 for k in kept if k[1] == 4)
+        kind, method = "", (f"on their own grids ({n4} 4-bit, {sum(1 for k in kept if k[3])} of them with block "
+                            f"minima; {len(kept) - n4} 8-bit)")
+    return (f"{linears} {kind + ' ' if kind else ''}{method}, format {fmt}"
             + (f" (accuracy level {q.get('accuracy_level', '?')}{_scales(o)})" if fmt == "fast" else "")
             + f", lm_head {o.get('lm_head') or f'int{bits}'}{_rows(o)}, embeddings {o.get('embeddings', '?')}")
 

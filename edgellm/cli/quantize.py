@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "measured on calibration data (default 0)")
     p.add_argument("--lm-head-int8-rows", type=number, default=None, metavar="F",
                    help="--bits 4, int8 lm_head: only this fraction of its vocabulary rows int8, those carrying "
-                        "the probability on calibration text; the rest int4 (default 0.3; 1: every row int8)")
+                        "the probability on calibration text; the rest int4 (default 0.3, or 0.45 where --block-min auto "
+                        "keeps the linears' grids; 1: every row int8)")
     p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
                    help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
                         "with a float32 cache: half its bytes, quality within noise, decode a few %% slower at short contexts and "
@@ -133,7 +134,9 @@ def options_from_args(args: argparse.Namespace):
         calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
         int8_fraction=fraction, groups=tuple(args.group),
         head_int8_rows=_head_rows(args, default), calibration_text=args.calibration_text,
-        kv_dtype=args.kv_dtype or default["kv_dtype"], scales_dtype=args.scales_dtype, block_min=block_min)
+        kv_dtype=args.kv_dtype or default["kv_dtype"], scales_dtype=args.scales_dtype, block_min=block_min,
+        grid_head_rows=default["grid_head_rows"] if args.lm_head_int8_rows is None and _head_rows(args, default) < 1
+        else None)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options

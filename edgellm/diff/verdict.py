@@ -112,6 +112,8 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
     if options.get("symmetric", True) is False:
         argv.append("--asymmetric")
     for key in ("format", "method", "embeddings"):
+        if key == "method" and options.get(key) == "grid":
+            continue      # found by --block-min auto, the --bits 4 default, which finds it again
         if options.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
             argv += [f"--{key}", str(options[key])]
     head = options.get("lm_head") or ("int4" if bits == 4 else "int8")
@@ -127,7 +129,7 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--kv-dtype", str(options["kv_dtype"])]
     if options.get("scales_dtype") not in (None, "auto"):
         argv += ["--scales-dtype", str(options["scales_dtype"])]
-    if options.get("block_min") == "on":  # found by auto, or asked for: on either way for the same fp32 export
+    if options.get("block_min") == "on" and options.get("method") != "grid":  # asked for (auto finds its own again)
         argv += ["--block-min", "on"]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
