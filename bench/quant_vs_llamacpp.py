@@ -40,9 +40,12 @@ from stale import rebuild_if_stale  # noqa: E402
 # name -> `edgellm quantize` flags (None: the fp32 export itself). Rows compared with a llama.cpp file's size store
 # their scales fp16 (--scales-dtype float16: Q4_0's 4.5 bits per weight); the default int4 row is what a user gets
 EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
-           # the --bits 4 default on weights that lie on no 4-bit grid (AWQ, split table): --block-min auto finds
-           # SmolLM2's Q4_1 grid and keeps it (the row above), so this is what a bf16 checkpoint's default does
+           # the --bits 4 default on weights that lie on no grid (AWQ, split table): --block-min auto finds the
+           # linears' llama.cpp grids (SmolLM2's Q4_1, Gemma 3's Q4_K_M mix) and keeps them (the row above), so
+           # this is what a bf16 checkpoint's default does
            "int4 awq": ["--bits", "4", "--block-min", "off"],
+           # the default's own grids with the split head of float weights (30 % of the table's rows int8)
+           "int4 rows30": ["--bits", "4", "--lm-head-int8-rows", "0.3"],
            # the default before the head split: every row of the table int8
            "int4 table8": ["--bits", "4", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it

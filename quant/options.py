@@ -51,9 +51,9 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
 # at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
 # stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
-# Where --block-min auto keeps the linears' own grids exactly (grids.py), the table's int4 rows are the error left, so
-# 45 % of its rows int8 (harness, 2026-11-27: Gemma 3 270M KL 0.0110 at 235.5 MB -> 0.0031 at 246.7; SmolLM2
-# 0.0186 at 103.0 -> 0.0161 at 104.8; with AWQ's linears the table's rows bought ~10x less KL per byte).
+# Where --block-min auto keeps the linears' own grids exactly (grids.py), the table's int4 rows are most of the error
+# left, so 45 % of its rows int8 (harness, 2026-11-27: Gemma 3 270M KL 0.0110 at 235.5 MB -> 0.0031 at 246.7;
+# SmolLM2 0.0186 at 103.0 -> 0.0161 at 104.8; beside AWQ's linears every row int8 took Gemma's KL only -9 % for +22 %).
 CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
                                      "grid_head_rows": 0.45, "kv_dtype": "auto", "block_min": "auto"},
                                  8: {"method": "rtn", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
