@@ -1,9 +1,9 @@
 """Host half of bench/arm64_check.sh: tiny exports (fp32, int8, int4, int4kv8 with an int8 KV cache, int4min with
-block minima, and fp32 with an fp16 KV cache: kv16) and their greedy outputs on this machine (int4 also through its lone-row stack,
+block minima, int4grid: a model on a Q4_K_M-like mix of grids, each kept, and fp32 with an fp16 KV cache: kv16) and their greedy outputs on this machine (int4 also through its lone-row stack,
 `--exact-decode off`; int4kv8 also with speculation off, so the board's speculative tokens are checked against its
 plain ones).
 
-    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,int8,int4,int4kv8,kv16,int4min}, WORK/host/<name>.json
+    python bench/arm64_host.py prepare WORK     # WORK/exports/{fp32,...,int4min,int4grid}, WORK/host/<name>.json
     python bench/arm64_host.py shim WORK REPO   # WORK/shim/edgellm: import edgellm.* from the source tree
     python bench/arm64_host.py compare WORK     # WORK/host/*.json vs WORK/arm/*.json; exit 1 on a mismatch
 
@@ -78,7 +78,21 @@ def prepare(work: Path) -> None:
         subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(fp32), "-o", str(exports / name),
                         "--bits", bits, "--method", method, *more, "--no-progress", "--no-check"], check=True,
                        stdout=subprocess.DEVNULL)
-    names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16", "int4min"]
+    # the same model's layer linears put on a Q4_K_M-like mix of llama.cpp grids; --bits 4 keeps each on its own
+    # (quant/grids.py): 4-bit with offsets, int8 g32 and int8 g16 with float32 scales run on the board
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("layers.") and p.dim() == 2:
+                p.copy_(torch.from_numpy(on_grid(name, p.numpy())))
+    export_model(model, exports / "grid-fp32", ExportOptions(max_seq=128, prefill_chunk=16), work / "tokenizer.json",
+                 progress=False, log=lambda _: None)
+    subprocess.run([sys.executable, "-m", "edgellm", "quantize", str(exports / "grid-fp32"), "-o",
+                    str(exports / "int4grid"), "--bits", "4", "--no-progress", "--no-check"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kept = json.loads((exports / "int4grid" / "manifest.json").read_text())["quantization"]["options"]["kept_grids"]
+    if {(b, g, o) for _, b, g, o in kept} != {(4, 32, True), (8, 32, False), (8, 16, False)}:
+        raise SystemExit(f"arm64_host: int4grid did not keep the three grids: {kept}")
+    names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16", "int4min", "int4grid"]
     for name in names:
         export, extra = name, []
         for suffix, flags in ((LONE, LONE_FLAGS), (PLAIN, PLAIN_FLAGS)):
@@ -90,6 +104,25 @@ def prepare(work: Path) -> None:
         out["margins"] = margins(exports / export, out["prompt_ids"], out["token_ids"])
         (host / f"{name}.json").write_text(json.dumps(out))
     print(" ".join(names))
+
+
+def on_grid(name: str, w):
+    """w [N, K] rounded onto the grid a llama.cpp Q4_K_M file gives such a weight: o 4-bit with a float offset per
+    32 weights, its codes not spanning 0..15 and its step no fp16 value (Q4_K); down symmetric 6-bit per 16 (Q6_K);
+    the others symmetric 5-bit per 32 with an fp16 step (Q5_0)."""
+    import numpy as np
+
+    n, k = w.shape
+    if name.endswith("attn.o.weight"):
+        b = w.reshape(n, k // 32, 32)
+        lo, hi = b.min(-1, keepdims=True), b.max(-1, keepdims=True)
+        s = ((hi - lo) / 13).astype(np.float32)
+        m = lo - s
+        return (m + s * np.rint((b - m) / s)).reshape(n, k).astype(np.float32)
+    block, top, half = (16, 31, False) if name.endswith("mlp.down.weight") else (32, 15, True)
+    b = w.reshape(n, k // block, block)
+    s = (np.abs(b).max(-1, keepdims=True) / top).astype(np.float16 if half else np.float32).astype(np.float32)
+    return (s * np.rint(b / s)).reshape(n, k).astype(np.float32)
 
 
 def margins(export: Path, prompt: list[int], tokens: list[int]) -> list[float]:

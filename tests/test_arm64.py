@@ -1,6 +1,7 @@
 """`edgellm run` as aarch64 Python under qemu (a Raspberry Pi 4 CPU), with only numpy, onnxruntime and
 tokenizers installed, gives the host's greedy tokens for fp32, int8, int4, int4 with an int8 KV cache, int4 with block
-minima (quantize --block-min: AveragePool + MatMul beside MatMulNBits) and fp16-cache exports, int4 also through its
+minima (quantize --block-min: AveragePool + MatMul beside MatMulNBits), int4 of a model on a Q4_K_M-like mix of
+grids (each kept: 4-bit with offsets, int8 at blocks of 32 and 16, float32 steps) and fp16-cache exports, int4 also through its
 lone-row stack (`--exact-decode off`, format 13), up to a near-tie where the host's top two logits are within 0.05
 (the machines round differently); `--speculative auto` leaves greedy text as plain decoding gives it on the board;
 and each export's rows (decode step vs verification) are reported (bench/arm64_check.sh).
@@ -39,7 +40,7 @@ def test_greedy_tokens_on_aarch64_equal_the_host(tmp_path):
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report[-3000:]
     runs = [p.stem for p in (tmp_path / "host").glob("*.json")]
-    assert {"fp32", "int8", "int4", "int4-lone", "int4kv8", "int4kv8-plain", "kv16", "int4min"} <= set(runs)
+    assert {"fp32", "int8", "int4", "int4-lone", "int4kv8", "int4kv8-plain", "kv16", "int4min", "int4grid"} <= set(runs)
     for name in runs:
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"{name}: "))
         assert "same greedy tokens" in line or "same up to a near-tie at token" in line, report[-3000:]
