@@ -89,9 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-min", default=None, choices=("auto", "on", "off"),
                    help="4-bit linears with a float offset (the block's minimum) beside each block's scale, llama.cpp "
                         "Q4_1's layout: +1 bit per weight (+0.5 with --scales-dtype float16), decode ~25 %% slower "
-                        "(SmolLM2-135M). auto (--bits 4 default): on when every linear already lies on such a grid "
-                        "(a model converted from a Q4_1 GGUF), which it then keeps exactly; on: for any weights "
-                        "(rounds min..max: --method rtn)")
+                        "(SmolLM2-135M). auto (--bits 4 default): where every linear already lies on a llama.cpp "
+                        "grid (a model converted from a 4-bit GGUF: Q4_0, Q4_1, a Q4_K_M mix), each is kept exactly on "
+                        "its own (4-bit, with offsets where it has them; its Q5_0/Q6_K/Q8_0 tensors int8), and 45 %% "
+                        "of the table's rows int8; on: offsets for any weights (rounds min..max: --method rtn)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
