@@ -111,10 +111,8 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--group-size", str(group)]
     if options.get("symmetric", True) is False:
         argv.append("--asymmetric")
-    for key in ("format", "method", "embeddings"):
-        if key == "method" and options.get(key) == "grid":
-            continue      # found by --block-min auto, the --bits 4 default, which finds it again
-        if options.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
+    for key in ("format", "method", "embeddings"):  # method "grid": --block-min auto's finding, which it finds again
+        if options.get(key, _DEFAULTS[key]) not in (_DEFAULTS[key], "grid"):
             argv += [f"--{key}", str(options[key])]
     head = options.get("lm_head") or ("int4" if bits == 4 else "int8")
     # an int8 head keeps its rows as they were (a manifest from before `--lm-head-int8-rows`: every row int8)
