@@ -18,7 +18,7 @@ Codes are always stored unsigned, with a zero point: dequantized = (code - zero_
               as symmetric codes, (code - 8) * s, and the rewrite adds the term of m + 8 s (quant/rewrite.py):
               activations rounded to int8 (accuracy level 4) then meet centred weights, as with the symmetric
               scheme. Weights that already lie on such a grid (dequantized Q4_1 blocks) come back exactly
-              (`on_grid`).
+              (`--block-min auto` keeps any llama.cpp grid with the step and offset it recovers: quant/gridfit.py).
 Rounding is half-to-even (`np.rint`), as ONNX QuantizeLinear and MLAS' vector quantizers do. The kernels
 only ever dequantize, so any rounding is "correct" for them; half-to-even keeps the RTN bound
 |w - dequantize(w)| <= scale / 2 and is unbiased.
@@ -204,23 +204,6 @@ def _quantize_offsets(w: np.ndarray, scheme: Scheme) -> QuantizedWeight:
         scales[sl], offsets[sl] = offset_params(wb)
         codes[sl] = codes_for(wb, scales[sl], zp[sl], scheme, offsets[sl]).reshape(-1, nb * bl)
     return QuantizedWeight(scheme, k, codes, scales, zp, offsets)
-
-
-def on_grid(w: np.ndarray, scheme: Scheme) -> bool:
-    """Whether w [N, K] comes back from `scheme`'s rounding to nearest, scales (and offsets) rounded to fp16, to
-    within a thousandth of a step in every block. The weights of a model converted from llama.cpp 4-bit blocks of
-    that size do: Q4_0's (d = the largest-magnitude value / -8, fp16) for the symmetric scheme, Q4_1's (fp16 d and
-    m) for the one with offsets; a trained float weight is ~a quarter step off on average."""
-    need(scheme.block_size > 0, "on_grid needs a block size")
-    if w.ndim != 2 or w.shape[1] % scheme.block_size:
-        return False
-    for sl in row_chunks(*w.shape):
-        part = np.asarray(w[sl], np.float32)
-        qw = with_fp16_scales(part, quantize(part, scheme))
-        err = np.abs(dequantize(qw) - part).reshape(part.shape[0], -1, scheme.block_size).max(axis=-1)
-        if not np.all(err <= 1e-3 * np.abs(qw.scales)):
-            return False
-    return True
 
 
 def fp16_exact(scales: np.ndarray) -> bool:

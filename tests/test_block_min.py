@@ -17,10 +17,12 @@ from onnx import TensorProto, helper, numpy_helper
 from edgellm.cli import main
 from edgellm.export import ExportOptions, export_model
 from edgellm.model import PRESETS
+from edgellm.quant.gridfit import fit
+from edgellm.quant.grids import own_scheme
 from edgellm.quant.methods import QuantSpec
 from edgellm.quant.plan import QuantPlan
 from edgellm.quant.rewrite import quantize_model
-from edgellm.quant.schemes import Scheme, dequantize, on_grid, quant_error, quantize
+from edgellm.quant.schemes import Scheme, dequantize, quant_error, quantize
 from edgellm.runtime.metrics import kl_divergence
 from tests.export_helpers import onnx_generate_logits, tiny_model, torch_logits
 from tests.quant_helpers import OPTIONS
@@ -56,13 +58,15 @@ def test_offsets_round_min_to_max_with_fp16_step_and_minimum() -> None:
 
 def test_a_q4_1_grid_comes_back_exactly_and_is_detected() -> None:
     w = q4_1_weight(16, 128)
-    assert on_grid(w, MIN) and np.abs(dequantize(quantize(w, MIN)) - w).max() <= 1e-6 * np.abs(w).max()
+    assert np.abs(dequantize(quantize(w, MIN)) - w).max() <= 1e-6 * np.abs(w).max()   # min..max rounding keeps it
+    assert own_scheme(w, 32) == MIN and np.array_equal(dequantize(fit(w, MIN)), w)    # and auto finds it
     assert quant_error(w, quantize(w, Scheme(4, 32, True))).rel_rms_err > 0.01      # Q4_0's rule cannot
     assert quant_error(w, quantize(w, Scheme(4, 32, False))).rel_rms_err > 0.01     # nor an integer zero point
-    assert not on_grid(w, Scheme(4, 64, False, True))      # a 64-block holds two grids
-    assert not on_grid(w + 1e-4, MIN)                      # off by a fraction of a step
-    assert not on_grid(w, Scheme(4, 32, True))             # not Q4_0's grid
-    assert not on_grid(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), MIN)
+    assert fit(w, Scheme(4, 64, False, True)) is None      # a 64-block holds two grids
+    assert fit(w, Scheme(4, 32, True)) is None             # not Q4_0's grid
+    shifted = w + np.float32(1e-4)      # still a grid (to float32's rounding of the sum), offsets no fp16 values
+    assert np.abs(dequantize(fit(shifted, MIN)) - shifted).max() <= 1e-6 * np.abs(w).max()
+    assert own_scheme(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), 32) is None
 
 
 def test_offsets_beat_symmetric_rounding_on_real_weights(stories260k) -> None:
@@ -252,7 +256,7 @@ def test_a_q4_0_grid_is_kept_without_offsets_and_awq_keeps_it_too(tmp_path, caps
             if name.startswith("layers.") and p.dim() == 2:
                 w = p.numpy()
                 p.copy_(torch.from_numpy(dequantize(with_fp16_scales(w, quantize(w, sym)))))
-                assert on_grid(p.numpy(), sym) and not on_grid(p.numpy(), MIN)
+                assert own_scheme(p.numpy(), 32) == sym
     src = tmp_path / "q4_0"
     export_model(model, src, ExportOptions(granularity="layer", **OPTIONS), progress=False, log=lambda _: None)
     code, err, record = _quantize(src, tmp_path / "int4", capsys, "--bits", "4")
