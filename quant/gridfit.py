@@ -33,12 +33,9 @@ ULP = 2.0 ** -23
 
 
 def _fits(wb: np.ndarray, s: np.ndarray, lo: int, hi: int, offset: np.ndarray | None = None) -> np.ndarray:
-    """Per block [M]: every value of wb [M, B] within TOL of an integer step of s [M] (from offset), in lo..hi."""
-    x = wb if offset is None else wb - offset[:, None]
-    safe = np.where(s != 0, s, 1.0)[:, None]
-    q = x / safe
-    r = np.rint(q)
-    return (np.abs(q - r).max(-1) <= TOL) & (r.min(-1) >= lo) & (r.max(-1) <= hi) & (s != 0)
+    """Per block [M]: every value of wb [M, B] within TOL of a step of s [M] (from offset), codes in lo..hi (a
+    value past them is at least a step off its clipped code)."""
+    return (s != 0) & (_error(wb, s, lo, hi, offset) <= TOL * np.abs(s))
 
 
 def symmetric_steps(wb: np.ndarray, bits: int) -> np.ndarray | None:

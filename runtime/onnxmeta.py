@@ -154,7 +154,7 @@ def read_graph_info(path: Path) -> GraphInfo:
         external: list[ExternalTensor] = []
         ops: set[str] = set()
         tables: set[str] = set()  # Gather's input 0
-        scales: set[str] = set()  # MatMulNBits' input 2, and a block-sum MatMul's input 1
+        packed: set[str] = set()  # MatMulNBits' input 2, and a block-mean MatMul's input 1
         other: set[str] = set()   # every other input of a main-graph node
         pooled: set[str] = set()  # AveragePool outputs
         matmuls: list[list[str]] = []
@@ -174,7 +174,7 @@ def read_graph_info(path: Path) -> GraphInfo:
                         tables.add(inputs[0])
                         inputs = inputs[1:]
                     elif types[:1] == ["MatMulNBits"] and len(inputs) > 2:
-                        scales.add(inputs[2])
+                        packed.add(inputs[2])
                         inputs = inputs[:2] + inputs[3:]
                     elif types[:1] == ["MatMul"] and len(inputs) == 2:
                         matmuls.append(inputs)
@@ -184,9 +184,9 @@ def read_graph_info(path: Path) -> GraphInfo:
                     other.update(inputs)
         for a, b in matmuls:  # which MatMul reads an AveragePool is known once every node was seen
             other.add(a)
-            (scales if a in pooled else other).add(b)
-        return GraphInfo(external, frozenset(ops), frozenset(tables - other - scales),
-                         frozenset(scales - other - tables))
+            (packed if a in pooled else other).add(b)
+        return GraphInfo(external, frozenset(ops), frozenset(tables - other - packed),
+                         frozenset(packed - other - tables))
     except (EdgeError, ValueError, UnicodeDecodeError) as err:
         raise EdgeError(f"{path}: not a readable ONNX model ({err})") from None
 

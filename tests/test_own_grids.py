@@ -24,6 +24,7 @@ from tests.quant_helpers import OPTIONS
 
 RNG = np.random.default_rng(7)
 BLOCK_BYTES = {T.Q4_K: 144, T.Q6_K: 210}   # per 256 weights: Q4_K d, dmin, 12 scale bytes, 128 code bytes; Q6_K ... d
+SCALE_AT = {T.Q4_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of the fp16 super-block scales (Q4_K d and dmin, Q6_K d)
 
 
 def gguf_weight(kind: T, n: int = 32, k: int = 512, seed: int = 0) -> np.ndarray:
@@ -32,10 +33,8 @@ def gguf_weight(kind: T, n: int = 32, k: int = 512, seed: int = 0) -> np.ndarray
     if kind in BLOCK_BYTES:            # random valid blocks with sane fp16 d (and dmin)
         raw = rng.integers(0, 256, (n, k // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
         d = np.frombuffer(rng.uniform(1e-4, 2e-3, n * k // 256).astype(np.float16).tobytes(), np.uint8)
-        at = (0,) if kind == T.Q6_K else (0, 2)
-        for off in at:
-            col = BLOCK_BYTES[kind] - 2 if kind == T.Q6_K else off
-            raw[..., col:col + 2] = d.reshape(n, k // 256, 2)
+        for at in SCALE_AT[kind]:
+            raw[..., at:at + 2] = d.reshape(n, k // 256, 2)
         return gq.dequantize(raw.reshape(n, -1), kind).astype(np.float32)
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     return gq.dequantize(gq.quantize(w, kind), kind).astype(np.float32)
