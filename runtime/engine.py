@@ -52,11 +52,11 @@ from .session import (
     BoundGraph,
     RunClock,
     SessionConfig,
-    SharedWeights,
     check_onnxruntime,
     open_placed,
 )
 from .variant import LONE_EXACT, GraphRun, Hook, Variant, runs_stack, stack_role
+from .weightmap import SharedWeights
 from .wiring import Lengths, wire_layers, wire_model, wire_stack
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ not have it).
 
 The runtime hands onnxruntime every external weight itself, as a view into one read-only memory map per
 data file, so the prefill and decode sessions of a graph (and a tied embedding's embed and head graphs)
-share one copy of the weights: see `session.SharedWeights`. For that it needs, per initializer stored
+share one copy of the weights: see `weightmap.SharedWeights`. For that it needs, per initializer stored
 outside the .onnx file, its name, shape, dtype and (file, offset, length) — a few fields of the protobuf.
 
 Protobuf wire format: each field is a varint key (field_number << 3 | wire_type) then its value:

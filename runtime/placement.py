@@ -29,7 +29,7 @@ it reads as a lookup table (below). Only the graphs an Engine opens count as rea
 embed and layer graphs', and the head's.
 
 Lookup tables (initializers a graph reads only as a Gather's table: the embedding) always come from the
-shared map, pre-packed graph or not, mapped a page per row read (`session._small_pages`: else the kernel maps
+shared map, pre-packed graph or not, mapped a page per row read (`weightmap._small_pages`: else the kernel maps
 the page-cache folio around each row, up to 2 MB with large folios, and a prefill made most of the table
 resident at once: Qwen2.5-0.5B int4 peak RSS 590 -> 530 MB), and their files are released every few steps
 (`Engine`), so a mapped table does not grow the RSS with every new token. Unless another graph reads the

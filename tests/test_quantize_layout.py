@@ -108,7 +108,7 @@ def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
 def test_a_lookup_table_is_mapped_a_page_per_row_read(tmp_path) -> None:
     """A row read maps the table's page, not the page-cache folio around it: the file is read through first, as
     the sha256 check does (readahead fills the page cache with large folios, which Linux 6.18 maps whole on a
-    fault); a prefill of rows all over the table then made most of it resident (session._small_pages)."""
+    fault); a prefill of rows all over the table then made most of it resident (weightmap._small_pages)."""
     from edgellm.export import ExportOptions, export_model
     from tests.export_helpers import tiny_model
 
