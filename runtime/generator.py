@@ -28,10 +28,8 @@ Generator that only samples can open the export's lone-row stack (`config=Sessio
 8-27 % faster decode; `exact_rows` is then False), as the CLI does for temperature > 0; an int8-cache export
 (format 15) opens it always, its rows being exact (variant.LONE_EXACT).
 
-Generation stops on EOS, i.e. any of the manifest's `eos_ids` (never part of `token_ids` or the text;
-`ignore_eos=True` turns this off for benchmarks), on a stop string (the text ends before it; its tokens are
-in `token_ids`), after `max_new_tokens`, or when the static context is full ("length": the last token picked
-is returned but there is no cache row left to feed it).
+Generation stops on EOS (any of the manifest's `eos_ids`; `ignore_eos=True` for benchmarks), a stop string, after
+`max_new_tokens`, or when the static context is full: runtime/transcript.py.
 """
 
 from __future__ import annotations
@@ -57,8 +55,8 @@ from .sampling import SamplingParams, StopParams, sample
 from .session import RunClock, SessionConfig
 from .speculative import Stats, configure, speculation_off, speculative_tokens
 from .stats import make_timings, peak_rss_mb
-from .stopping import StopMatcher
-from .tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
+from .transcript import Transcript
 
 
 def export_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
@@ -236,18 +234,11 @@ class Generator:
 
     def _run(self, feed: list[int], sampling: SamplingParams, stop: StopParams, ignore_eos: bool,
              start: float, with_text: bool) -> Iterator[TokenEvent | Result]:
-        decoder = IncrementalDecoder(self.tokenizer) if self.has_tokenizer and with_text else None
-        # a model may have more rows than its tokenizer has tokens (padded vocabularies): those ids have no text
-        known = decoder.tokenizer.vocab_size if decoder is not None else 0
-        matcher = StopMatcher(stop.stop)
-        stops = bool(matcher.stops)
         rng = stop.rng()
         penalise = sampling.repetition_penalty != 1.0
         plain_greedy = sampling.temperature == 0 and not penalise
-        eos = frozenset() if ignore_eos else self.eos_ids
-        new: list[int] = []
-        text: list[str] = []
-        reason = "max_new_tokens"
+        out = Transcript(self.tokenizer if with_text else None, stop, frozenset() if ignore_eos else self.eos_ids,
+                         self.cache.max_seq)
         first = last = start
         run_at_first = 0.0
         spec = None
@@ -256,9 +247,9 @@ class Generator:
         else:
             logits = self.engine.forward_columns(feed)   # the head's column order: `pick` reads it
             self._history[self.cache.length - len(feed):self.cache.length] = feed
-            # the k-th new token is fed to row base + k - 1 (the last one is row max_seq - 1): counted here, not
+            # the k-th new token is fed to row length + k - 1 (the last one is row max_seq - 1): counted here, not
             # read off the cache, whose length a verification has already moved past the accepted drafts
-            base = self.cache.length
+            out.room = self.cache.max_seq - self.cache.length
 
             columns = self.engine.columns
 
@@ -277,38 +268,24 @@ class Generator:
                                             None if greedy else sampling, rng, stop.max_new_tokens, spec)
             for token in source:
                 last = perf_counter()
-                if not new:
+                if not out.tokens:
                     first, run_at_first = last, self.clock.seconds
-                if token in eos:  # every token before it is in the cache (a speculative source rewinds to it)
-                    reason = "eos"
+                delta = out.push(token)
+                if delta is None:  # EOS: every token before it is in the cache (a speculative source rewinds to it)
                     self._carry = []
                     break
-                new.append(token)
-                delta = decoder.push(token) if decoder is not None and token < known else ""
-                if stops:
-                    delta = matcher.feed(delta)
-                if matcher.stopped:
-                    reason = "stop"
-                elif len(new) >= stop.max_new_tokens:
-                    reason = "max_new_tokens"
-                elif base + len(new) > self.cache.max_seq:
-                    reason = "length"
-                else:
-                    reason = ""
-                text.append(delta)
                 self._carry = [token]  # picked, not fed yet: even if the caller stops iterating here
                 yield TokenEvent(token, delta)
-                if reason:
+                if out.reason:
                     break
             source.close()  # a speculative source rewinds the cache to the last token's rows
-        tail = matcher.feed(decoder.flush()) + matcher.flush() if decoder is not None else ""
+        tail = out.tail()
         if tail:
-            text.append(tail)
             yield TokenEvent(None, tail)
-        picked = len(new) + (reason == "eos")
-        timings = make_timings(len(feed), len(new), max(picked - 1, 0), first - start, last - first,
+        timings = make_timings(len(feed), len(out.tokens), max(out.picked - 1, 0), first - start, last - first,
                                self.clock.seconds - run_at_first)
-        yield Result(new, "".join(text), reason, feed, timings, peak_rss_mb(), spec.to_dict() if spec else None)
+        yield Result(out.tokens, "".join(out.text), out.reason, feed, timings, peak_rss_mb(),
+                     spec.to_dict() if spec else None)
 
     def _plain_tokens(self, pick, logits: np.ndarray) -> Iterator[int]:
         """One token per forward: picked, yielded (not fed yet), then fed when the caller asks for the next."""
