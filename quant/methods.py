@@ -9,6 +9,9 @@
        minimise ||(W - Wq) * act_scale||^2, i.e. the output error E|x (W - Wq)^T|^2 for uncorrelated
        inputs. This is the clip search of AWQ without its scale migration: migrating scales would need
        an op before every MatMul, and this rewrite only touches weights.
+       Blocks with offsets (Scheme.offsets, Q4_1's layout) search their grid as llama.cpp's k-quants do
+       (`search_offsets`): codes from the block's min..max at 15 + r steps, r = -1 .. 1, then the (weighted)
+       least-squares step and offset for those codes; RTN's min..max grid is a candidate, so never worse.
 All of it is vectorised over blocks; rows are processed in chunks so peak memory stays ~100 MB even for
 a [151936, 896] lm_head.
 """
@@ -84,6 +87,72 @@ def search_params(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = N
     return best_scale.astype(np.float32), best_zp.astype(np.uint8)
 
 
+# llama.cpp's make_qkx2_quants steps: the codes of min..max at (15 + r) / (max - min) per unit, r = -1, -0.9, .. 1
+OFFSET_STEPS = np.linspace(-1.0, 1.0, 21)
+
+
+def search_offsets(wb: np.ndarray, weights: np.ndarray | None = None,
+                   steps: np.ndarray = OFFSET_STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """Step and offset float32 [N, nb] (fp16-exact) of 4-bit blocks with offsets [N, nb, bl]: per block, for
+    each candidate code assignment L (the block's min..max at 15 + r steps, clipped to 0..15), the step d and
+    offset m minimising sum(weights (d L + m - w)^2) (normal equations), rounded to fp16 and scored with the
+    codes they round the block to; the best per block, RTN's (hi - lo) / 15 and lo among them."""
+    lo, hi = wb.min(axis=-1), wb.max(axis=-1)
+    wts = np.ones(wb.shape[-1], np.float32) if weights is None else weights
+    wts = np.broadcast_to(wts, wb.shape).astype(np.float64)
+    x = wb.astype(np.float64)
+    span = np.where(hi > lo, hi - lo, 1.0).astype(np.float64)[..., None]
+    sw, swx = wts.sum(-1), (wts * x).sum(-1)
+
+    def score(d: np.ndarray, m: np.ndarray) -> np.ndarray:
+        d16, m16 = d.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32)
+        codes = codes_for(wb, d16, np.zeros(d.shape, np.uint8), Scheme(4, wb.shape[-1], False, True), m16)
+        err = wts * (dequantize_blocks(codes, d16, np.zeros(d.shape, np.uint8), m16) - x) ** 2
+        return err.sum(-1), d16, m16
+
+    best_err, best_d, best_m = score((hi - lo) / 15, lo)
+    for r in steps:
+        q = np.clip(np.rint((x - lo[..., None]) * ((15 + r) / span)), 0, 15)
+        sl, sll, slx = (wts * q).sum(-1), (wts * q * q).sum(-1), (wts * q * x).sum(-1)
+        det = sw * sll - sl * sl
+        ok = det > 1e-30 * np.maximum(sw * sll, 1e-30)
+        safe = np.where(ok, det, 1.0)
+        d = np.where(ok, (sw * slx - sl * swx) / safe, (hi - lo) / 15)
+        m = np.where(ok, (sll * swx - sl * slx) / safe, lo)
+        err, d16, m16 = score(d, m)
+        better = (err < best_err) & (d16 > 0)
+        best_err = np.where(better, err, best_err)
+        best_d, best_m = np.where(better, d16, best_d), np.where(better, m16, best_m)
+    return best_d.astype(np.float32), best_m.astype(np.float32)
+
+
+def search_zero_points(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None,
+                       scale: np.ndarray, zp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric blocks [N, nb, bl] (an integer zero point): the k-quant search of `search_offsets` with the
+    offset on the integer grid — per candidate step (min..max at qmax + r steps) the zero point rounds -min / step,
+    then the (weighted) least-squares step for those codes — against the given (scale, zp) [N, nb]; the better
+    per block."""
+    wts = np.ones(wb.shape[-1], np.float32) if weights is None else weights
+
+    def error(s: np.ndarray, z: np.ndarray) -> np.ndarray:
+        return (wts * (dequantize_blocks(codes_for(wb, s, z, scheme), s, z) - wb) ** 2).sum(-1)
+
+    lo, hi = block_range(wb, False)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    best_err, best_s, best_z = error(scale, zp), scale, zp
+    for r in OFFSET_STEPS:
+        d = (span / (scheme.qmax + r)).astype(np.float32)
+        z = np.clip(np.rint(-lo / d), 0, scheme.qmax).astype(np.uint8)
+        c = codes_for(wb, d, z, scheme).astype(np.float32) - z[..., None]
+        den = (wts * c * c).sum(-1)
+        s = np.where(den > 0, (wts * c * wb).sum(-1) / np.where(den > 0, den, 1.0), d).astype(np.float32)
+        s = np.where(s > 0, s, d)
+        err = error(s, z)
+        better = err < best_err
+        best_err, best_s, best_z = np.where(better, err, best_err), np.where(better, s, best_s), np.where(better, z, best_z)
+    return best_s.astype(np.float32), best_z.astype(np.uint8)
+
+
 def quantize_weight(w: np.ndarray, scheme: Scheme, method: str = "rtn",
                     act_scale: np.ndarray | None = None) -> QuantizedWeight:
     """Quantize w [N, K] (canonical layout) with the chosen scale method; act_scale [K] only affects `mse`."""
@@ -95,7 +164,15 @@ def quantize_weight(w: np.ndarray, scheme: Scheme, method: str = "rtn",
     n, k = w.shape
     bl = scheme.block_len(k)
     weights = block_weights(act_scale, k, bl)
-    params = [search_params(to_blocks(w[sl], bl), scheme, weights) for sl in row_chunks(n, k)]
+    if scheme.offsets:
+        params = [search_offsets(to_blocks(w[sl], bl), weights) for sl in row_chunks(n, k)]
+        steps, offsets = (np.concatenate(p) for p in zip(*params, strict=True))
+        return quantize(w, scheme, steps, offsets=offsets)
+    params = []
+    for sl in row_chunks(n, k):
+        wb = to_blocks(w[sl], bl)
+        found = search_params(wb, scheme, weights)
+        params.append(found if scheme.symmetric else search_zero_points(wb, scheme, weights, *found))
     scales, zps = (np.concatenate(p) for p in zip(*params, strict=True))
     return quantize(w, scheme, scales, zps)
 

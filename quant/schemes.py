@@ -168,13 +168,15 @@ def dequantize_blocks(codes: np.ndarray, scale: np.ndarray, zp: np.ndarray,
 
 
 def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
-             zero_points: np.ndarray | None = None) -> QuantizedWeight:
-    """Quantize w [N, K]; scales/zero_points [N, n_blocks] default to round-to-nearest over the full range."""
+             zero_points: np.ndarray | None = None, offsets: np.ndarray | None = None) -> QuantizedWeight:
+    """Quantize w [N, K]; scales/zero_points [N, n_blocks] default to round-to-nearest over the full range
+    (with Scheme.offsets: scales and `offsets` given together, or both from each block's min..max)."""
     n, k = w.shape
     bl, nb = scheme.block_len(k), scheme.n_blocks(k)
     if scheme.offsets:
-        need(scales is None, "block offsets are rounded to nearest (min..max) only")
-        return _quantize_offsets(w, scheme)
+        need((scales is None) == (offsets is None) and zero_points is None,
+             "block offsets: give the steps and offsets together (or neither: min..max)")
+        return _quantize_offsets(w, scheme, scales, offsets)
     if scales is None:
         params = [params_from_range(*block_range(to_blocks(w[sl], bl), scheme.symmetric), scheme)
                   for sl in row_chunks(n, k)]
@@ -193,7 +195,8 @@ def quantize(w: np.ndarray, scheme: Scheme, scales: np.ndarray | None = None,
     return QuantizedWeight(scheme, k, codes, scales, zero_points)
 
 
-def _quantize_offsets(w: np.ndarray, scheme: Scheme) -> QuantizedWeight:
+def _quantize_offsets(w: np.ndarray, scheme: Scheme, steps: np.ndarray | None,
+                      minima: np.ndarray | None) -> QuantizedWeight:
     n, k = w.shape
     bl, nb = scheme.block_len(k), scheme.n_blocks(k)
     codes = np.empty((n, nb * bl), np.uint8)
@@ -201,7 +204,7 @@ def _quantize_offsets(w: np.ndarray, scheme: Scheme) -> QuantizedWeight:
     zp = np.zeros((n, nb), np.uint8)
     for sl in row_chunks(n, k):
         wb = to_blocks(w[sl], bl)
-        scales[sl], offsets[sl] = offset_params(wb)
+        scales[sl], offsets[sl] = offset_params(wb) if steps is None else (steps[sl], minima[sl])
         codes[sl] = codes_for(wb, scales[sl], zp[sl], scheme, offsets[sl]).reshape(-1, nb * bl)
     return QuantizedWeight(scheme, k, codes, scales, zp, offsets)
 

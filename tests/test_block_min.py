@@ -19,7 +19,7 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.model import PRESETS
 from edgellm.quant.gridfit import fit
 from edgellm.quant.grids import own_scheme
-from edgellm.quant.methods import QuantSpec
+from edgellm.quant.methods import QuantSpec, quantize_weight
 from edgellm.quant.plan import QuantPlan
 from edgellm.quant.rewrite import quantize_model
 from edgellm.quant.schemes import Scheme, dequantize, quant_error, quantize
@@ -81,6 +81,26 @@ def test_offsets_beat_symmetric_rounding_on_real_weights(stories260k) -> None:
             errs[kind].append(quant_error(w, quantize(w, scheme)).rel_rms_err)
     mean = {k: float(np.mean(v)) for k, v in errs.items()}
     assert len(errs["min"]) >= 10 and mean["min"] < 0.93 * mean["sym"] and mean["min"] < mean["asym"], mean
+
+
+def test_k_quant_search_never_loses_a_block_and_wins_on_real_weights(stories260k) -> None:
+    """`--block-min on --method mse`: llama.cpp's k-quant search of step and offset per block, weighted by the
+    activations. Per block its weighted squared error is at most min..max rounding's (a candidate), steps and
+    offsets are fp16 values, and on stories260K's trained weights the weighted error drops (measured: -29 %)."""
+    rng = np.random.default_rng(5)
+    ratios = []
+    for name, p in stories260k.state_dict().items():
+        if p.dim() != 2 or not name.startswith("layers.") or p.shape[1] % 32:
+            continue
+        w = p.float().numpy()
+        act = rng.uniform(0.2, 2.0, w.shape[1]).astype(np.float32)      # an activation scale per input channel
+        rtn, mse = quantize_weight(w, MIN, "rtn"), quantize_weight(w, MIN, "mse", act)
+        assert np.array_equal(mse.scales, mse.scales.astype(np.float16).astype(np.float32))
+        assert np.array_equal(mse.offsets, mse.offsets.astype(np.float16).astype(np.float32))
+        per_block = [((dequantize(q) - w) * act).reshape(w.shape[0], -1, 32) ** 2 for q in (rtn, mse)]
+        assert np.all(per_block[1].sum(-1) <= per_block[0].sum(-1) * (1 + 1e-5) + 1e-12), name
+        ratios.append(per_block[1].sum() / per_block[0].sum())
+    assert len(ratios) >= 10 and float(np.mean(ratios)) < 0.85, ratios
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +186,27 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
 
 
+def test_block_min_mse_calibrates_and_beats_min_to_max_on_float_weights(grid_export, tmp_path, capsys) -> None:
+    """`--block-min on --method mse` on a float export: the record says mse with block minima and calibration, every
+    layer weight has offsets, and the model's KL to fp32 is below min..max rounding's (`--method rtn`, which
+    needs no calibration) on the same prompt."""
+    float_dir = grid_export[0]
+    flags = ("--bits", "4", "--block-min", "on", "--lm-head", "fp32", "--embeddings", "fp32")
+    code, _, mse = _quantize(float_dir, tmp_path / "mse", capsys, *flags, "--method", "mse")
+    assert code == 0 and (mse["options"]["method"], mse["options"]["block_min"]) == ("mse", "on")
+    code, _, rtn = _quantize(float_dir, tmp_path / "rtn", capsys, *flags, "--method", "rtn")
+    assert code == 0 and mse.get("calibration") and not rtn.get("calibration")
+    layers = [n for n in mse["weights"] if n.startswith("layers.")]
+    assert len(layers) == 8 and all(mse["weights"][n]["offsets"] for n in layers)
+    prompt = list(range(3, 19))
+    ref, _ = onnx_generate_logits(float_dir, prompt, 0)
+    kl = {name: float(kl_divergence(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]).mean())
+          for name in ("mse", "rtn")}
+    assert kl["mse"] < kl["rtn"], kl
+
+
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--bits", "4", "--block-min", "on", "--method", "awq"], "--block-min on: rounds each block's min..max"),
+    (["--bits", "4", "--block-min", "on", "--method", "gptq"], "--block-min on: each block's min..max (rtn)"),
     (["--bits", "8", "--block-min", "on"], "--block-min on: only with --bits 4"),
     (["--bits", "4", "--block-min", "on", "--asymmetric"], "--block-min on: only with --bits 4"),
     (["--bits", "4", "--block-min", "on", "--format", "portable"], "--block-min on: only with --bits 4"),

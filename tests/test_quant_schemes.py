@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgellm.quant.methods import quantize_weight, weighted_sq_error
+from edgellm.quant.methods import (
+    block_weights,
+    quantize_weight,
+    search_params,
+    search_zero_points,
+    weighted_sq_error,
+)
 from edgellm.quant.packing import (
     NBitsArrays,
     expand_per_channel,
@@ -17,7 +23,15 @@ from edgellm.quant.packing import (
     to_matmulnbits,
     unpack_nibbles,
 )
-from edgellm.quant.schemes import Scheme, dequantize, quant_error, quantize, to_blocks
+from edgellm.quant.schemes import (
+    Scheme,
+    codes_for,
+    dequantize,
+    dequantize_blocks,
+    quant_error,
+    quantize,
+    to_blocks,
+)
 from edgellm.runtime.errors import EdgeError
 
 SCHEMES = [Scheme(bits, bs, sym) for bits in (4, 8) for bs in (0, 16, 32, 64, 128, 256) for sym in (True, False)]
@@ -199,6 +213,24 @@ def test_mse_search_never_worse_per_block_and_act_weighting_helps() -> None:
     assert np.all(blocks(w - mse) <= blocks(w - rtn) * (1 + 1e-6))
     aware = dequantize(quantize_weight(w, scheme, "mse", act))
     assert weighted_sq_error(w, aware, act) < 0.8 * weighted_sq_error(w, mse, act)
+
+
+def test_asymmetric_k_quant_candidates_never_lose_a_block_to_the_clip_search() -> None:
+    """Integer zero points: llama.cpp's k-quant candidates (step from min..max at 15 + r steps, zero point rounded,
+    least-squares step) are kept per block only where they beat the clip search; on a heavy-tailed weight they
+    lower the weighted error by more than 3 % (measured 5-7 % on SmolLM2's off-grid linears)."""
+    rng = np.random.default_rng(8)
+    w = (rng.standard_t(4, (64, 256)) * 0.02 + rng.uniform(-0.01, 0.03, (64, 1))).astype(np.float32)
+    act = np.exp(0.5 * rng.standard_normal(256)).astype(np.float32)
+    scheme = Scheme(4, 32, False)
+    wb, weights = to_blocks(w, 32), block_weights(act, 256, 32)
+    clip = search_params(wb, scheme, weights)
+    both = search_zero_points(wb, scheme, weights, *clip)
+    errs = [weights * (dequantize_blocks(codes_for(wb, s, z, scheme), s, z) - wb) ** 2 for s, z in (clip, both)]
+    assert np.all(errs[1].sum(-1) <= errs[0].sum(-1) * (1 + 1e-6))
+    assert errs[1].sum() < 0.97 * errs[0].sum(), errs[1].sum() / errs[0].sum()
+    assert np.array_equal(dequantize(quantize_weight(w, scheme, "mse", act)).reshape(64, 8, 32),
+                          dequantize_blocks(codes_for(wb, *both, scheme), *both))
 
 
 def test_row_chunking_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
