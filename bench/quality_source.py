@@ -22,7 +22,8 @@ import numpy as np
 from edgellm.loaders.wheels import GEMMA3, SMOLLM2, WheelGGUF
 from edgellm.runtime.errors import EdgeError
 
-TEXT = Path("/usr/share/common-licenses/GPL-3")  # real English prose that every Debian machine has
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+OFF_GRID_SEED = 46  # `off_grid`'s noise  # real English prose that every Debian machine has
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,38 @@ def hf_reference(gguf: Path, out: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tok.save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return out
+
+
+def off_grid(hf_dir: Path, out: Path, seed: int = OFF_GRID_SEED) -> Path:
+    """A copy of the reference with every 2-D weight moved off the llama.cpp grid it lies on: uniform noise of
+    +-half a step per 32-weight block (a 4-bit grid's step (max - min) / 15, a finer one's amax / 127), seeded.
+    No float checkpoint reaches this machine; this stands in for one: every quantizer, edgellm's and llama.cpp's,
+    then starts from values on no grid, as from a bf16 model (the reference's KL to the original: a Q4_1-sized
+    rounding error; the comparison is of quantizers against this model, not of this model against the original)."""
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.numpy import load_file, save_file
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, partial / f.name)
+    rng = np.random.default_rng(seed)
+    moved = {}
+    for name, w in load_file(hf_dir / "model.safetensors").items():
+        if w.ndim == 2 and w.shape[1] % 32 == 0:
+            b = w.reshape(-1, 32).astype(np.float64)
+            four_bit = max(len(np.unique(x)) for x in b[:64]) <= 16
+            step = (np.ptp(b, axis=1, keepdims=True) / 15 if four_bit
+                    else np.abs(b).max(axis=1, keepdims=True) / 127)
+            w = (b + rng.uniform(-0.5, 0.5, b.shape) * step).reshape(w.shape).astype(np.float32)
+        moved[name] = np.ascontiguousarray(w)
+    save_file(moved, partial / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     return out

