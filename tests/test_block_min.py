@@ -198,6 +198,8 @@ def test_block_min_mse_calibrates_and_beats_min_to_max_on_float_weights(grid_exp
     assert code == 0 and mse.get("calibration") and not rtn.get("calibration")
     layers = [n for n in mse["weights"] if n.startswith("layers.")]
     assert len(layers) == 8 and all(mse["weights"][n]["offsets"] for n in layers)
+    assert main(["info", str(tmp_path / "mse")]) == 0
+    assert "precision: int4 g32 with block minima, k-quant search, format fast" in capsys.readouterr().out
     prompt = list(range(3, 19))
     ref, _ = onnx_generate_logits(float_dir, prompt, 0)
     kl = {name: float(kl_divergence(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]).mean())
