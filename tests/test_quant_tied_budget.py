@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from edgellm.cli import main
-from edgellm.quant.budget import LADDER, smallest_within
+from edgellm.quant.budget import LADDER, smallest_within, variants
 from edgellm.quant.nbits_read import read_nbits
 from edgellm.quant.options import QuantizeOptions
 from edgellm.quant.packing import from_matmulnbits
@@ -90,8 +90,8 @@ def test_kl_budget_picks_the_smallest_variant_within_it(tied, tmp_path) -> None:
     kept: list[str] = []
     result, tried = smallest_within(tied, tmp_path / "q", QuantizeOptions(), budget, progress=False,
                                     log=kept.append)
-    # a rung with blocks of 16 is kept with a note on its decode speed, any other without
-    assert any("slower" in line for line in kept) == ("g16" in LADDER[want][0])
+    # a rung with block minima is kept with a note on its decode speed, any other without
+    assert any("slower" in line for line in kept) == ("minima" in LADDER[want][0])
     assert len(tried) == want + 1 and [t.mean_kl for t in tried] == pytest.approx(kls[:want + 1], rel=1e-3)
     assert result.check is not None and result.check.mean_kl <= budget
     assert all(t.mean_kl > budget for t in tried[:-1])
@@ -103,3 +103,17 @@ def test_kl_budget_cli_refuses_an_impossible_budget_in_one_line(tied, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--kl-budget 1e-12: no variant is within it" in err, err
     assert not (tmp_path / "q").exists()
+
+
+def test_block_minima_rungs_only_where_the_format_has_them() -> None:
+    """The ladder's block-minima rungs (MatMulNBits' symmetric codes plus an offset term) search their own step and
+    offset (mse); a portable or asymmetric request skips them (portable also the split table's rung) rather than
+    failing a rung's validation."""
+    fast = [label for label, v in variants(QuantizeOptions(bits=4)) if v.block_min == "on"]
+    assert len(fast) == 3 and all("minima" in label for label in fast)
+    assert all(v.method == "mse" and v.calibrated for _, v in variants(QuantizeOptions(bits=4)) if v.block_min == "on")
+    for options, skipped in ((QuantizeOptions(bits=4, format="portable"), 4), (QuantizeOptions(bits=4, symmetric=False), 3)):
+        ladder = variants(options)
+        assert len(ladder) == len(LADDER) - skipped and not any(v.block_min == "on" for _, v in ladder)
+        for _, v in ladder:
+            v.validate()
