@@ -92,7 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(SmolLM2-135M). auto (--bits 4 default): where every linear already lies on a llama.cpp "
                         "grid (a model converted from a 4-bit GGUF: Q4_0, Q4_1, a Q4_K_M mix), each is kept exactly on "
                         "its own (4-bit, with offsets where it has them; its Q5_0/Q6_K/Q8_0 tensors int8), and 45 %% "
-                        "of the table's rows int8; on: offsets for any weights (rounds min..max: --method rtn)")
+                        "of the table's rows int8; on: offsets for any weights (--method rtn: each block's min..max; "
+                        "mse: llama.cpp's k-quant search of step and offset, weighted by calibration activations — on "
+                        "float weights the int4 that reaches Q4_K_M's KL with --lm-head-int8-rows 1 --int8-fraction 0.15)")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
