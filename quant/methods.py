@@ -91,7 +91,7 @@ def search_params(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = N
 OFFSET_STEPS = np.linspace(-1.0, 1.0, 21)
 
 
-def search_offsets(wb: np.ndarray, weights: np.ndarray | None = None,
+def search_offsets(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = None,
                    steps: np.ndarray = OFFSET_STEPS) -> tuple[np.ndarray, np.ndarray]:
     """Step and offset float32 [N, nb] (fp16-exact) of 4-bit blocks with offsets [N, nb, bl]: per block, for
     each candidate code assignment L (the block's min..max at 15 + r steps, clipped to 0..15), the step d and
@@ -104,10 +104,12 @@ def search_offsets(wb: np.ndarray, weights: np.ndarray | None = None,
     span = np.where(hi > lo, hi - lo, 1.0).astype(np.float64)[..., None]
     sw, swx = wts.sum(-1), (wts * x).sum(-1)
 
-    def score(d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    zp = np.zeros(lo.shape, np.uint8)
+
+    def score(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weighted error, d, m) with d and m rounded to fp16 and the block rounded onto their grid."""
         d16, m16 = d.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32)
-        codes = codes_for(wb, d16, np.zeros(d.shape, np.uint8), Scheme(4, wb.shape[-1], False, True), m16)
-        err = wts * (dequantize_blocks(codes, d16, np.zeros(d.shape, np.uint8), m16) - x) ** 2
+        err = wts * (dequantize_blocks(codes_for(wb, d16, zp, scheme, m16), d16, zp, m16) - x) ** 2
         return err.sum(-1), d16, m16
 
     best_err, best_d, best_m = score((hi - lo) / 15, lo)
@@ -165,7 +167,7 @@ def quantize_weight(w: np.ndarray, scheme: Scheme, method: str = "rtn",
     bl = scheme.block_len(k)
     weights = block_weights(act_scale, k, bl)
     if scheme.offsets:
-        params = [search_offsets(to_blocks(w[sl], bl), weights) for sl in row_chunks(n, k)]
+        params = [search_offsets(to_blocks(w[sl], bl), scheme, weights) for sl in row_chunks(n, k)]
         steps, offsets = (np.concatenate(p) for p in zip(*params, strict=True))
         return quantize(w, scheme, steps, offsets=offsets)
     params = []
