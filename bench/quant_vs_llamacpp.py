@@ -76,6 +76,9 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
                                       "float16", "--int8-fraction", "0.1"],
            "int4 min mse s16 table8 mix15": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype",
                                              "float16", "--lm-head-int8-rows", "1", "--int8-fraction", "0.15"],
+           # integer zero points (MatMulNBits' own, no extra nodes) with the same k-quant candidates
+           "int4 asym mse": ["--bits", "4", "--asymmetric", "--method", "mse", "--block-min", "off"],
+           "int4 asym awq": ["--bits", "4", "--asymmetric", "--method", "awq", "--block-min", "off"],
            # the symmetric layout at that size: AWQ with the table int8 and 20 % of the linears int8
            "int4 awq s16 mix20": ["--bits", "4", "--block-min", "off", "--scales-dtype", "float16",
                                   "--lm-head-int8-rows", "1", "--int8-fraction", "0.2"],
@@ -89,7 +92,7 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            # the old default with down's scales per 64 weights: Q4_0's size (the smaller setting before the split)
            "int4 down64": ["--bits", "4", "--group", "layers.*.mlp.down=64", "--lm-head-int8-rows", "1",
                            "--scales-dtype", "float16", "--block-min", "off"]}
-SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4")}
+SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4", "int4 min mse s16 table8 mix15")}
 T0 = time.perf_counter()
 
 
