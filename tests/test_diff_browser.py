@@ -9,6 +9,7 @@ with the reason, except under CI=true, where a missing browser fails them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import html
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from edgellm.cli import main as cli_main
+from edgellm.cli.info_export import next_step
 from edgellm.diff.report_json import load_report
 from edgellm.diff.writer import write_report
 from edgellm.export import ExportOptions, export_model
@@ -98,8 +100,15 @@ def test_quantize_and_info_end_with_a_line_to_act_on(work, tmp_path, capsys):
                      "--no-progress"]) == 0
     line = _last_line(capsys)
     assert "quality not checked (quantized with --no-check); next: edgellm diff CHECKPOINT" in line
+    assert "--kl-budget" not in line             # unchecked is not missed: only a measured miss suggests the ladder
     assert _run_next(line.replace("CHECKPOINT", str(work / "ckpt")), DIFF_ARGS) == 0
     assert load_report(tmp_path / "q4-report" / "report.json")["verdict"]["text"]
+    # an int4 check that misses the bar also points to --kl-budget (the ladder up to block minima)
+    missed = read_manifest(tmp_path / "q8")
+    quant = {**missed.quantization, "options": {**missed.quantization["options"], "bits": 4},
+             "check": {**missed.quantization["check"], "mean_kl": 0.5, "top1_agreement": 0.5}}
+    line = next_step(tmp_path / "q8", dataclasses.replace(missed, quantization=quant))
+    assert "MISSES" in line and "edgellm diff CHECKPOINT" in line and "--kl-budget X" in line
     capsys.readouterr()
     assert cli_main(["info", str(work / "fp32")]) == 0
     line = _last_line(capsys)

@@ -154,6 +154,9 @@ def next_step(path: Path, m: Manifest, size_note: str = "", source: Path | None 
         exports = [str(source), str(path)] if source is not None else [str(path)]
         cmd = shlex.join(["edgellm", "diff", "CHECKPOINT", *exports, "-o", f"{str(path).rstrip('/')}-report"])
         nxt = f"{cmd} (CHECKPOINT: the model you exported) to see which layers to --keep / --int8-layers"
+        if ok is False and (m.quantization.get("options") or {}).get("bits") == 4:
+            nxt += ("; or quantize again with --kl-budget X (the smallest of a ladder of settings within mean KL X, "
+                    "up to Q4_K_M-level block minima)")
     else:
         nxt = run_command(path, m)
     return f"{path}: {size:.2f} MB{size_note}; {quality}; next: {nxt}"
