@@ -99,6 +99,9 @@ def test_k_quant_search_never_loses_a_block_and_wins_on_real_weights(stories260k
         assert np.array_equal(mse.offsets, mse.offsets.astype(np.float16).astype(np.float32))
         per_block = [((dequantize(q) - w) * act).reshape(w.shape[0], -1, 32) ** 2 for q in (rtn, mse)]
         assert np.all(per_block[1].sum(-1) <= per_block[0].sum(-1) * (1 + 1e-5) + 1e-12), name
+        plain = [((dequantize(q) - w).reshape(w.shape[0], -1, 32) ** 2).sum(-1)     # unweighted (no calibration)
+                 for q in (rtn, quantize_weight(w, MIN, "mse"))]
+        assert np.all(plain[1] <= plain[0] * (1 + 1e-5) + 1e-12), name
         ratios.append(per_block[1].sum() / per_block[0].sum())
     assert len(ratios) >= 10 and float(np.mean(ratios)) < 0.85, ratios
 
