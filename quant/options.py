@@ -266,8 +266,8 @@ class QuantizeOptions:
     @property
     def calibrated(self) -> bool:
         """Whether quantizing needs calibration (activation scales, Hessians)."""
-        # block minima's k-quant search (mse) weighs each input channel by its activations: without them it keeps
-        # blocks llama.cpp's way, and SmolLM2 off its grid lost half its gain (KL 0.292 unweighted, 0.139 weighted)
+        # block minima's k-quant search (mse) weighs each input channel by its activations: without them, SmolLM2 off
+        # its grid reached KL 0.292 even with the whole table int8, with them 0.139 with 30 % of its rows
         return (self.method in ("awq", "gptq") or (self.method == "mse" and self.block_min == "on")
                 or self.int8_fraction > 0 or self.split_head)
 
