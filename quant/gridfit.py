@@ -61,7 +61,7 @@ def symmetric_steps(wb: np.ndarray, bits: int) -> np.ndarray | None:
             todo[hit] = False
     if todo.any():
         return None
-    return _fp16_if_fits(wb, steps, -top - 1, top)
+    return _fp16_if_fits(wb, steps, -top - 1, top)[0]
 
 
 def affine_steps(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -83,15 +83,18 @@ def affine_steps(wb: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         todo[idx[ok]] = False
     if todo.any():
         return None
-    s16, m16 = steps.astype(np.float16).astype(np.float32), lo.astype(np.float16).astype(np.float32)
-    half = _error(wb, s16, 0, LEVELS - 1, m16) <= _error(wb, steps, 0, LEVELS - 1, lo) + ULP * np.abs(wb).max(-1)
-    return np.where(half, s16, steps), np.where(half, m16, lo).astype(np.float32)
+    return _fp16_if_fits(wb, steps, 0, LEVELS - 1, lo.astype(np.float32))
 
 
-def _fp16_if_fits(wb: np.ndarray, steps: np.ndarray, lo: int, hi: int) -> np.ndarray:
+def _fp16_if_fits(wb: np.ndarray, steps: np.ndarray, lo: int, hi: int,
+                  offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per block, the steps (and offsets) rounded to fp16 where they reproduce it as well as the float32 ones, to
+    an ulp of its largest value; the float32 ones elsewhere."""
     s16 = steps.astype(np.float16).astype(np.float32)
-    half = _error(wb, s16, lo, hi) <= _error(wb, steps, lo, hi) + ULP * np.abs(wb).max(-1)
-    return np.where(half, s16, steps).astype(np.float32)
+    m16 = None if offsets is None else offsets.astype(np.float16).astype(np.float32)
+    half = _error(wb, s16, lo, hi, m16) <= _error(wb, steps, lo, hi, offsets) + ULP * np.abs(wb).max(-1)
+    kept = None if offsets is None else np.where(half, m16, offsets).astype(np.float32)
+    return np.where(half, s16, steps).astype(np.float32), kept
 
 
 def _error(wb: np.ndarray, s: np.ndarray, lo: int, hi: int, offset: np.ndarray | None = None) -> np.ndarray:

@@ -30,6 +30,7 @@ from .schemes import (
     block_range,
     codes_for,
     dequantize_blocks,
+    offset_params,
     params_from_range,
     quantize,
     row_chunks,
@@ -68,6 +69,13 @@ def block_weights(act_scale: np.ndarray | None, k: int, block_len: int) -> np.nd
     return to_blocks((a * a)[None, :], block_len)[0]
 
 
+def block_error(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None, scale: np.ndarray, zp: np.ndarray,
+                offset: np.ndarray | None = None) -> np.ndarray:
+    """Per block [N, nb]: sum(weights (w - w rounded onto the grid of scale, zp (and offset))^2) of blocks wb."""
+    err = (wb - dequantize_blocks(codes_for(wb, scale, zp, scheme, offset), scale, zp, offset)) ** 2
+    return (err if weights is None else err * weights).sum(axis=-1)
+
+
 def search_params(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = None,
                   ratios: np.ndarray = CLIP_RATIOS) -> tuple[np.ndarray, np.ndarray]:
     """Per-block clip-ratio search on blocks [N, nb, bl] -> (scale float32, zero point uint8) [N, nb]."""
@@ -76,10 +84,7 @@ def search_params(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = N
     best_err = np.full(lo.shape, np.inf, np.float32)
     for r in ratios:
         scale, zp = params_from_range(lo * np.float32(r), hi * np.float32(r), scheme)
-        err = (wb - dequantize_blocks(codes_for(wb, scale, zp, scheme), scale, zp)) ** 2
-        if weights is not None:
-            err *= weights
-        err = err.sum(axis=-1)
+        err = block_error(wb, scheme, weights, scale, zp)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best_scale = np.where(better, scale, best_scale)
@@ -98,21 +103,19 @@ def search_offsets(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = 
     offset m minimising sum(weights (d L + m - w)^2) (normal equations), rounded to fp16 and scored with the
     codes they round the block to; the best per block, RTN's (hi - lo) / 15 and lo among them."""
     lo, hi = wb.min(axis=-1), wb.max(axis=-1)
-    wts = np.ones(wb.shape[-1], np.float32) if weights is None else weights
-    wts = np.broadcast_to(wts, wb.shape).astype(np.float64)
+    wts = np.broadcast_to(np.ones(wb.shape[-1]) if weights is None else weights, wb.shape).astype(np.float64)
     x = wb.astype(np.float64)
     span = np.where(hi > lo, hi - lo, 1.0).astype(np.float64)[..., None]
     sw, swx = wts.sum(-1), (wts * x).sum(-1)
-
     zp = np.zeros(lo.shape, np.uint8)
 
     def score(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(weighted error, d, m) with d and m rounded to fp16 and the block rounded onto their grid."""
         d16, m16 = d.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32)
-        err = wts * (dequantize_blocks(codes_for(wb, d16, zp, scheme, m16), d16, zp, m16) - x) ** 2
-        return err.sum(-1), d16, m16
+        return block_error(wb, scheme, weights, d16, zp, m16), d16, m16
 
-    best_err, best_d, best_m = score((hi - lo) / 15, lo)
+    best_d, best_m = offset_params(wb)                      # min..max (Q4_1's rule) is a candidate
+    best_err = block_error(wb, scheme, weights, best_d, zp, best_m)
     for r in steps:
         q = np.clip(np.rint((x - lo[..., None]) * ((15 + r) / span)), 0, 15)
         sl, sll, slx = (wts * q).sum(-1), (wts * q * q).sum(-1), (wts * q * x).sum(-1)
@@ -135,13 +138,9 @@ def search_zero_points(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | Non
     then the (weighted) least-squares step for those codes — against the given (scale, zp) [N, nb]; the better
     per block."""
     wts = np.ones(wb.shape[-1], np.float32) if weights is None else weights
-
-    def error(s: np.ndarray, z: np.ndarray) -> np.ndarray:
-        return (wts * (dequantize_blocks(codes_for(wb, s, z, scheme), s, z) - wb) ** 2).sum(-1)
-
     lo, hi = block_range(wb, False)
     span = np.where(hi > lo, hi - lo, 1.0)
-    best_err, best_s, best_z = error(scale, zp), scale, zp
+    best_err, best_s, best_z = block_error(wb, scheme, weights, scale, zp), scale, zp
     for r in OFFSET_STEPS:
         d = (span / (scheme.qmax + r)).astype(np.float32)
         z = np.clip(np.rint(-lo / d), 0, scheme.qmax).astype(np.uint8)
@@ -149,7 +148,7 @@ def search_zero_points(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | Non
         den = (wts * c * c).sum(-1)
         s = np.where(den > 0, (wts * c * wb).sum(-1) / np.where(den > 0, den, 1.0), d).astype(np.float32)
         s = np.where(s > 0, s, d)
-        err = error(s, z)
+        err = block_error(wb, scheme, weights, s, z)
         better = err < best_err
         best_err, best_s, best_z = np.where(better, err, best_err), np.where(better, s, best_s), np.where(better, z, best_z)
     return best_s.astype(np.float32), best_z.astype(np.uint8)
