@@ -237,8 +237,10 @@ class Generator:
         rng = stop.rng()
         penalise = sampling.repetition_penalty != 1.0
         plain_greedy = sampling.temperature == 0 and not penalise
+        # the k-th new token is fed to row length + k - 1 after the prompt (the last one is row max_seq - 1):
+        # counted here, not read off the cache, whose length a verification moves past the accepted drafts
         out = Transcript(self.tokenizer if with_text else None, stop, frozenset() if ignore_eos else self.eos_ids,
-                         self.cache.max_seq)
+                         self.cache.free - len(feed))
         first = last = start
         run_at_first = 0.0
         spec = None
@@ -247,9 +249,6 @@ class Generator:
         else:
             logits = self.engine.forward_columns(feed)   # the head's column order: `pick` reads it
             self._history[self.cache.length - len(feed):self.cache.length] = feed
-            # the k-th new token is fed to row length + k - 1 (the last one is row max_seq - 1): counted here, not
-            # read off the cache, whose length a verification has already moved past the accepted drafts
-            out.room = self.cache.max_seq - self.cache.length
 
             columns = self.engine.columns
 
