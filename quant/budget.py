@@ -2,7 +2,7 @@
 
 The variants form a ladder from small to large (`LADDER`, sizes measured on SmolLM2-135M, docs/benchmarks.md);
 each is quantized with the user's other flags (method, format, symmetry, --keep, ...) on ONE calibration (the
-block-minima rungs with their own method, the k-quant search; a rung the flags cannot hold is left out), and
+block-minima rungs with their own method, the k-quant search; fast format and symmetric codes only), and
 measured by quantize's own check (KL over CHECK_TOKENS positions the fp32 export samples, record.py).
 The first variant within the budget is kept: the ladder is ordered by size, so it is the smallest of them.
 No variant within the budget: a one-line error naming the best KL reached, and no output is left behind.
@@ -52,23 +52,19 @@ class Tried:
 
 
 def variants(options: QuantizeOptions) -> list[tuple[str, QuantizeOptions]]:
-    """The ladder with the user's other flags (checked first); --act-order only where the method is gptq. A rung
-    those flags cannot hold is left out (`--format portable` has no block minima or split table, `--asymmetric`
-    no block minima: QuantizeOptions.validate says which)."""
-    options.validate()
+    """The ladder with the user's other flags; --act-order only where the method is gptq."""
     out = []
     for label, change in LADDER:
+        if change.get("block_min") == "on" and (options.format != "fast" or not options.symmetric):
+            continue  # block minima are MatMulNBits' symmetric codes plus an offset term (fast format only)
+        if change.get("head_int8_rows", 1.0) < 1.0 and options.format != "fast":
+            continue  # a table split into int8 and int4 rows is gathered by fast-format ops only
         v = dataclasses.replace(options, grid_head_rows=None, **change)   # each rung's rows are its label's
         if v.method != "gptq":
             v = dataclasses.replace(v, act_order=False)
         if not v.calibrated:    # a rung that reads no calibration (rtn, no split) has no use for the text
             v = dataclasses.replace(v, calibration_text=None)
-        try:
-            v.validate()
-        except EdgeError:
-            continue
         out.append((label, v))
-    need(bool(out), "--kl-budget: no setting of the ladder goes with the other flags given")
     return out
 
 
@@ -78,6 +74,8 @@ def smallest_within(src: Path, out: Path, options: QuantizeOptions, budget: floa
     need(isinstance(budget, float) and math.isfinite(budget) and budget > 0,
          f"--kl-budget: expected a positive number, got {budget!r}")
     ladder = variants(options)
+    for _, v in ladder:
+        v.validate()
     existed = Path(out).exists()
     manifest = read_manifest(Path(src))
     calib = calibrate(Path(src), manifest, options.calibration_tokens, options.seed, hessians=True,
