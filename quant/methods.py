@@ -25,11 +25,13 @@ import numpy as np
 from edgellm.runtime.errors import need
 
 from .schemes import (
+    OFFSET_TERM,
     QuantizedWeight,
     Scheme,
     block_range,
     codes_for,
     dequantize_blocks,
+    fp16_exact,
     offset_params,
     params_from_range,
     quantize,
@@ -129,6 +131,46 @@ def search_offsets(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = 
         best_err = np.where(better, err, best_err)
         best_d, best_m = np.where(better, d16, best_d), np.where(better, m16, best_m)
     return best_d.astype(np.float32), best_m.astype(np.float32)
+
+
+def snap_offsets(w: np.ndarray, qw: QuantizedWeight, act_scale: np.ndarray | None = None) -> QuantizedWeight:
+    """qw (4-bit with offsets) with each block's centre m + 8 d moved onto the 8-bit grid of the offset term
+    (schemes.OFFSET_TERM: a step per 16 blocks, their largest |centre| / 127), so the graph computes the weight
+    reported. Per block, the grid level below or above the centre, each with the step kept or refit by weighted
+    least squares for that centre (fp16 where the step was): the least weighted error. A group's largest centre
+    keeps its level, so the term's rounding finds the same grid again."""
+    s, n, k = qw.scheme, *w.shape
+    bl, nb = s.block_len(k), s.n_blocks(k)
+    weights = block_weights(act_scale, k, bl)
+    steps, minima = qw.scales.copy(), qw.offsets.copy()
+    half = fp16_exact(steps)
+    per = OFFSET_TERM.block_size
+    for sl in row_chunks(n, k):
+        wb, d = to_blocks(np.asarray(w[sl], np.float32), bl), qw.scales[sl]
+        centre = qw.offsets[sl] + np.float32(8) * d                                    # [rows, nb]
+        padded = np.pad(np.abs(centre), ((0, 0), (0, -nb % per)))
+        g = padded.reshape(len(centre), -1, per).max(-1).repeat(per, axis=1)[:, :nb] / np.float32(127)
+        level = np.where(g > 0, centre / np.where(g > 0, g, 1), 0.0)
+        top = np.abs(np.rint(level)) >= 127                                            # the group's largest
+        zp = np.zeros(d.shape, np.uint8)
+        best_err = np.full(d.shape, np.inf)
+        best_d, best_m = d, minima[sl]
+        for lv in (np.floor(level), np.ceil(level)):
+            c = (np.where(top, np.rint(level), np.clip(lv, -127, 127)) * g).astype(np.float32)
+            q = np.clip(np.rint((wb - c[..., None]) / np.where(d > 0, d, 1)[..., None]), -8, 7)
+            wts = np.ones(bl, np.float32) if weights is None else weights
+            num, den = (wts * (wb - c[..., None]) * q).sum(-1), (wts * q * q).sum(-1)
+            refit = np.where(den > 0, num / np.where(den > 0, den, 1), d).astype(np.float32)
+            if half:
+                refit = refit.astype(np.float16).astype(np.float32)
+            for step in (d, np.where(refit > 0, refit, d)):
+                m = (c - np.float32(8) * step).astype(np.float32)
+                err = block_error(wb, s, weights, step, zp, m)
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_d, best_m = np.where(better, step, best_d), np.where(better, m, best_m)
+        steps[sl], minima[sl] = best_d, best_m
+    return quantize(np.asarray(w, np.float32), s, steps, offsets=minima)
 
 
 def search_zero_points(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None,

@@ -28,7 +28,7 @@ from edgellm.runtime.errors import need
 
 from .gptq import gptq_quantize
 from .gridfit import fit
-from .methods import QuantSpec, quantize_weight
+from .methods import QuantSpec, quantize_weight, snap_offsets
 from .packing import NBitsArrays, expand_per_channel, to_matmulnbits
 from .schemes import QuantError, QuantizedWeight, fp16_exact, quant_error, with_fp16_scales
 
@@ -134,6 +134,8 @@ class QuantPlan:
                 qw = quantize_weight(w, spec.scheme, "mse" if spec.method == "gptq" else spec.method, act)
             if self.fp16_scales and spec.method != "grid":
                 qw = with_fp16_scales(w, qw, recode=h is None)
+            if qw.offsets is not None and spec.method != "grid" and self.format == "fast":
+                qw = snap_offsets(w, qw, act)       # the 8-bit offset term's grid (rewrite.py)
             hit = self.memo[key] = (qw, quant_error(w, qw))
         return hit
 

@@ -3,8 +3,8 @@
     MatMul(A, B [K,N] init)  or  Gemm(A, B, C?, transB) with alpha = beta = 1, transA = 0
       fast:      A --MatMulNBits(B_q [N,nb,blob], scales [N,nb], zp?)--> Y  [--Add(C)--> Y]
                  (with the plan's fp16_scales: scales16 [N,nb] float16 --Cast--> scales, a prologue node)
-                 block offsets (schemes.Scheme.offsets): Y = MatMulNBits(...) + (A's block means [1, S, nb]) @
-                 (block * offsets) [nb, N], the means once per activation (`_Builder.block_means`)
+                 block offsets (schemes.Scheme.offsets): Y = MatMulNBits(...) + MatMulNBits(A's block means
+                 [1, S, nb], 8-bit (block * offsets) [nb, N]), the means once per activation (`_Builder.block_means`)
       portable:  B_q [K,N] --DequantizeLinear(scale, zp?)--> B' ;  A --MatMul(B')--> Y  [--Add(C)--> Y]
     Gather(E [V,D] init, ids, axis=0)  (the token embedding; int8 per row only)
       ids --Gather(E_q [V,D] int8)--Cast(float)--[Sub(Cast(Gather(zp [V,1])))]--Mul(Gather(scale [V,1]))--> Y
@@ -21,6 +21,8 @@ the same kernels as `fast`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -29,7 +31,7 @@ from edgellm.runtime.errors import need
 
 from .methods import QuantSpec
 from .onnxedit import prune_initializers, require_opset
-from .packing import pack_nibbles, to_dequantize_linear
+from .packing import NBitsArrays, pack_nibbles, to_dequantize_linear
 from .plan import (
     DEFAULT_ACCURACY_LEVEL,
     FORMATS,
@@ -38,7 +40,7 @@ from .plan import (
     WeightSite,
     by_pattern,
 )
-from .schemes import QuantizedWeight
+from .schemes import OFFSET_TERM, QuantizedWeight, offset_term, quantize, term_fits
 from .sites import module_of, weight_use
 
 # the plan types lived here first: importers of rewrite keep working
@@ -46,6 +48,16 @@ __all__ = ["DEFAULT_ACCURACY_LEVEL", "FORMATS", "QuantPlan", "QuantSpec", "Weigh
            "by_pattern", "quantize_model"]
 
 # ---------------------------------------------------------------- building replacements
+
+@dataclass(frozen=True)
+class OffsetTerm:
+    """A weight's block-offset term: MatMulNBits(block means of A, *inputs, **attrs), added to its output."""
+
+    inputs: list[str]   # 8-bit: weights [N, nb/16, 16], scales [N, nb/16]; else one float [nb, N] for a MatMul
+    attrs: dict         # 8-bit: MatMulNBits' K (= the weight's blocks), N, bits, block_size; else {}
+    k: int              # the weight's K
+    block: int          # the weight's block, over which A is averaged
+
 
 class _Builder:
     """Collects new initializers / nodes with graph-unique names."""
@@ -105,9 +117,9 @@ class _Builder:
 
 
 def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
-                  ) -> tuple[list[str], int, dict, tuple[str, int, int] | None]:
+                  ) -> tuple[list[str], int, dict, OffsetTerm | None]:
     """MatMulNBits weight inputs [B, scales, zp?], their bytes, the shape attributes and, for block offsets, the
-    offset term's (initializer [nb, N], K, block)."""
+    offset term."""
     arr = plan.nbits(qw)
     names, total = [b.array(f"{name}.q", arr.b)[0]], arr.b.nbytes
     if plan.half_scales(arr, arr.scales):
@@ -122,8 +134,22 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
     attrs = {"K": arr.k, "N": arr.n, "bits": arr.bits, "block_size": arr.block_size}
     if arr.offsets is None:
         return names, total, attrs, None
-    # the codes run symmetric, (code - 8) * s, and the term multiplies block means: its weights are (m + 8 s) *
-    # block [nb, N] (a power of two: exact)
+    term, size = _offset_term(b, name, arr, scales, plan)
+    return names, total + size, attrs, term
+
+
+def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: QuantPlan) -> tuple[OffsetTerm, int]:
+    """The block offsets' term: (A's block means [1, S, nb]) @ (m + 8 s) * block [nb, N] (schemes.offset_term),
+    the codes running symmetric, (code - 8) * s. Searched offsets put it on an 8-bit grid (schemes.snap_offsets):
+    an 8-bit MatMulNBits, which onnxruntime packs once and the runtime releases the mapped pages of (a float MatMul
+    over fp16 offsets kept the float32 copy its prologue folded: Qwen2.5-0.5B 45 MB). Offsets kept as a source
+    stored them (a Q4_K grid, `--block-min auto`) keep a float term, exact: float32, or fp16 folded at load."""
+    weights = offset_term(arr.offsets, arr.scales, arr.block_size)    # [N, nb]
+    if term_fits(arr.offsets, arr.scales, arr.block_size):
+        term = plan.nbits(quantize(weights, OFFSET_TERM))
+        inputs = [b.array(f"{name}.offsets.q", term.b)[0], b.array(f"{name}.offsets.scales", term.scales)[0]]
+        attrs = {"K": term.k, "N": term.n, "bits": 8, "block_size": term.block_size}
+        return OffsetTerm(inputs, attrs, arr.k, arr.block_size), term.b.nbytes + term.scales.nbytes
     m, block = np.ascontiguousarray(arr.offsets.T), np.float32(arr.block_size)
     if plan.half_scales(arr, m):    # m fp16 beside the fp16 scales; the weights folded at session creation
         p = b.fresh(f"{name}.offsets")
@@ -133,9 +159,9 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
                        helper.make_node("Add", [b.cast_fp16(f"{name}.minima", m), s8], [o], name=o),
                        helper.make_node("Mul", [o, b.const(f"offsets.block{arr.block_size}", np.array(block))], [p],
                                         name=p)]
-        return names, total + m.size * 2 + 8, attrs, (p, arr.k, arr.block_size)
-    o = ((m + np.float32(8) * arr.scales.T) * block).astype(np.float32)
-    return names, total + o.nbytes, attrs, (b.array(f"{name}.offsets", o)[0], arr.k, arr.block_size)
+        return OffsetTerm([p], {}, arr.k, arr.block_size), m.size * 2 + 8
+    o = np.ascontiguousarray(weights.T)
+    return OffsetTerm([b.array(f"{name}.offsets", o)[0]], {}, arr.k, arr.block_size), o.nbytes
 
 
 def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
@@ -155,16 +181,19 @@ def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
     return out, total
 
 
-def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder,
-                  offsets: tuple[str, int, int] | None = None) -> list[onnx.NodeProto]:
+def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder, offsets: OffsetTerm | None = None,
+                  accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> list[onnx.NodeProto]:
     """`core` computes A @ W^T into the node's output; a Gemm's bias C becomes a following Add, and block
-    `offsets` (initializer [nb, N], K, block) a term (block means of A) @ offsets added before it."""
+    `offsets` a term (block means of A) @ offsets added before it."""
     out, nodes, adds = node.output[0], [], []
     if offsets is not None:
-        name, k, block = offsets
-        sums = b.block_means(node.input[0], k, block, nodes)
+        means = b.block_means(node.input[0], offsets.k, offsets.block, nodes)
         term = b.fresh(f"{out}/offsets")
-        nodes.append(helper.make_node("MatMul", [sums, name], [term], name=term))
+        if offsets.attrs:
+            nodes.append(helper.make_node("MatMulNBits", [means, *offsets.inputs], [term], name=term,
+                                          domain="com.microsoft", accuracy_level=accuracy_level, **offsets.attrs))
+        else:
+            nodes.append(helper.make_node("MatMul", [means, *offsets.inputs], [term], name=term))
         adds.append((term, f"{node.name}/offsets_add"))
     if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
         adds.append((node.input[2], f"{node.name}/bias"))
@@ -246,7 +275,7 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
             for i in where:
                 core = helper.make_node("MatMulNBits", [nodes[i].input[0], *inputs], [], name=nodes[i].name,
                                         domain="com.microsoft", accuracy_level=plan.accuracy_level, **shape_attrs)
-                replace[i] = _matmul_nodes(nodes[i], core, b, offsets)
+                replace[i] = _matmul_nodes(nodes[i], core, b, offsets, plan.accuracy_level)
         else:
             dq, nbytes = _dq_output(b, name, qw)
             opset_needed = max(opset_needed, 21 if spec.scheme.bits == 4 or spec.scheme.block_size else 13)

@@ -209,6 +209,27 @@ def _quantize_offsets(w: np.ndarray, scheme: Scheme, steps: np.ndarray | None,
     return QuantizedWeight(scheme, k, codes, scales, zp, offsets)
 
 
+# the fast format's offset term (quant/rewrite.py), (m + 8 s) * block [N, nb], as an 8-bit MatMulNBits: 8-bit symmetric
+# blocks of 16 of a row's block offsets. A step is 1/254 of 16 midpoints' range where a 4-bit one is 1/15 of a
+# block's: searched offsets are snapped onto it (methods.snap_offsets), so the graph computes the weight reported
+OFFSET_TERM = Scheme(8, 16, True)
+
+
+def offset_term(offsets: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """float32 [N, nb]: the weights (m + 8 s) * block of the term (block means of A) @ them that adds a 4-bit
+    weight's block offsets m to MatMulNBits' symmetric (code - 8) * s (block a power of two: exact)."""
+    return ((offsets + np.float32(8) * scales) * np.float32(block)).astype(np.float32)
+
+
+def term_fits(offsets: np.ndarray, scales: np.ndarray, block: int) -> bool:
+    """Whether the offset term of these offsets and steps [N, nb] is on its 8-bit grid (snapped offsets) within
+    float32's rounding of m + 8 s (where m ~ -8 s, a few ulps of 8 s)."""
+    term = offset_term(offsets, scales, block)
+    again = dequantize(quantize(term, OFFSET_TERM))
+    slack = 1e-6 * (np.abs(offsets) + np.float32(8) * np.abs(scales)) * np.float32(block)
+    return bool(np.all(np.abs(again - term) <= slack))
+
+
 def fp16_exact(scales: np.ndarray) -> bool:
     """Whether float32 scales survive a round trip through float16 unchanged."""
     return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))

@@ -19,7 +19,7 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.model import PRESETS
 from edgellm.quant.gridfit import fit
 from edgellm.quant.grids import own_scheme
-from edgellm.quant.methods import QuantSpec, quantize_weight
+from edgellm.quant.methods import QuantSpec, quantize_weight, snap_offsets
 from edgellm.quant.plan import QuantPlan
 from edgellm.quant.rewrite import quantize_model
 from edgellm.quant.schemes import Scheme, dequantize, quant_error, quantize
@@ -106,6 +106,35 @@ def test_k_quant_search_never_loses_a_block_and_wins_on_real_weights(stories260k
     assert len(ratios) >= 10 and float(np.mean(ratios)) < 0.85, ratios
 
 
+def test_snapped_offsets_lie_on_the_term_grid_and_lose_no_block_to_the_nearest_level(stories260k) -> None:
+    """The fast format's offset term is 8-bit (schemes.OFFSET_TERM): snap_offsets moves each block's centre onto
+    its grid. On stories260K's trained weights every snapped term lies on the grid (the rewrite stores it 8-bit),
+    per block the weighted error is at most the nearest level's with the step kept (one of its candidates), and
+    the whole weight's weighted error stays within 2 % of the unsnapped search's."""
+    from edgellm.quant.methods import block_weights
+    from edgellm.quant.schemes import OFFSET_TERM, offset_term, term_fits, to_blocks
+
+    rng = np.random.default_rng(7)
+    seen = 0
+    for name, p in stories260k.state_dict().items():
+        if p.dim() != 2 or not name.startswith("layers.") or p.shape[1] % 32:
+            continue
+        w = p.float().numpy()
+        act = rng.uniform(0.2, 2.0, w.shape[1]).astype(np.float32)
+        found = quantize_weight(w, MIN, "mse", act)
+        snapped = snap_offsets(w, found, act)
+        assert not term_fits(found.offsets, found.scales, 32) and term_fits(snapped.offsets, snapped.scales, 32)
+        term = dequantize(quantize(offset_term(found.offsets, found.scales, 32), OFFSET_TERM))
+        nearest = quantize(w, MIN, found.scales, offsets=term / 32 - 8 * found.scales)
+        wts = block_weights(act, w.shape[1], 32)
+        err = {q: ((to_blocks(w - dequantize(x), 32) ** 2) * wts).sum(-1) for q, x in
+               (("snap", snapped), ("nearest", nearest), ("found", found))}
+        assert np.all(err["snap"] <= err["nearest"] * (1 + 1e-5) + 1e-12), name
+        assert err["snap"].sum() <= 1.02 * err["found"].sum(), name
+        seen += 1
+    assert seen >= 10
+
+
 @pytest.fixture(scope="module")
 def stories260k():
     from edgellm.loaders.dispatch import load_checkpoint
@@ -114,9 +143,9 @@ def stories260k():
 
 @pytest.mark.parametrize("stored", [("int4", "int8", "int4-min"), ()])
 def test_the_graph_adds_the_offsets_term_once_per_activation(stored) -> None:
-    """y = MatMulNBits (symmetric codes) + block means of x @ ((m + 8 s) * 32): at accuracy level 0 the graph
-    computes x @ dequantize(W)^T; two weights reading one activation share its block means; fp16 storage (a Cast
-    and the fold of the term's weights, made by onnxruntime) or float32."""
+    """y = MatMulNBits (symmetric codes) + block means of x @ ((m + 8 s) * 32), the term an 8-bit MatMulNBits
+    whose grid the offsets were snapped to: at accuracy level 0 the graph computes x @ dequantize(W)^T; two weights
+    reading one activation share its block means; fp16 scales (a Cast folded by onnxruntime) or float32."""
     rng = np.random.default_rng(0)
     k = 96
     w1, w2 = rng.standard_normal((40, k)).astype(np.float32), rng.standard_normal((24, k)).astype(np.float32)
@@ -129,13 +158,15 @@ def test_the_graph_adds_the_offsets_term_once_per_activation(stored) -> None:
     plan = QuantPlan(lambda site: QuantSpec(MIN), accuracy_level=0, fp16_scales=True, fp16_stored=stored)
     quantize_model(model, plan)
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("AveragePool") == 1 and ops.count("MatMulNBits") == 2 and ops.count("Cast") == (4 if stored else 0)
+    assert ops.count("AveragePool") == 1 and ops.count("MatMulNBits") == 4 and ops.count("Cast") == (2 if stored else 0)
     assert all(len(n.input) == 3 for n in model.graph.node if n.op_type == "MatMulNBits")   # symmetric: no zp
+    assert sorted(a.i for n in model.graph.node for a in n.attribute if a.name == "bits") == [4, 4, 8, 8]
     x = rng.standard_normal((1, 3, k)).astype(np.float32)
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for y, w in zip(got, (w1, w2), strict=True):
-        want = x @ dequantize(quantize(w, MIN)).T
+        want = x @ dequantize(snap_offsets(w, quantize(w, MIN))).T
         assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max()
+        assert np.abs(want - x @ dequantize(quantize(w, MIN)).T).max() > 1e-5       # the snap moved them
         assert np.abs(want - x @ w.T).max() > 1e-2                       # the rounding is visible at all
 
 
@@ -236,35 +267,42 @@ def test_onnx_graph_is_valid_after_offsets(grid_export, tmp_path, capsys) -> Non
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
-def test_float32_offsets_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> None:
-    """`--scales-dtype auto` stores the offsets' term (m + 8 s) and the scales float32: the runtime hands both to
-    the pre-packed stack from its own maps and drops their pages once packed (SmolLM2-135M: 25 MB less RSS once
-    open than fp16 + Casts); float16 storage folds to the same float32 values: the same logits, bit for bit."""
+def test_offset_terms_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> None:
+    """A grid kept exactly (`auto`) stores its offsets' float term (m + 8 s) and the scales float32; searched
+    offsets (`on`) an 8-bit MatMulNBits term. The runtime hands both to the pre-packed stack from its own maps and
+    drops their pages once packed (SmolLM2-135M: 25 MB less RSS once open than fp16 + Casts); float16 storage
+    folds to the same float32 values: the same logits, bit for bit."""
     from edgellm.runtime import Generator
     from edgellm.runtime.session import SessionConfig
     from tests.quant_helpers import mapped_kb
 
-    auto = quantize_export(grid_export[1], tmp_path / "auto", bits=4, block_min="on")
-    half = quantize_export(grid_export[1], tmp_path / "half", bits=4, block_min="on", scales_dtype="float16")
-    stack = onnx.load(str(auto / "stack.onnx"), load_external_data=False)
-    offsets = {n.input[1] for n in stack.graph.node if n.op_type == "MatMul"}
-    assert len(offsets) == 8 and offsets <= {t.name for t in stack.graph.initializer}
-    engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
-    place = engines[0].placement["stack.decode"]
-    assert offsets <= place.mapped and place.packed_files
-    files = [Path(f).name for f in place.packed_files]
+    auto = quantize_export(grid_export[1], tmp_path / "auto", bits=4, block_min="auto")
+    half = quantize_export(grid_export[1], tmp_path / "half", bits=4, block_min="auto", scales_dtype="float16")
+    on = quantize_export(grid_export[1], tmp_path / "on", bits=4, block_min="on")
+    def terms(d: Path) -> tuple[set[str], set[str]]:
+        nodes = onnx.load(str(d / "stack.onnx"), load_external_data=False).graph.node
+        return ({n.input[1] for n in nodes if n.op_type == "MatMul"},
+                {n.input[2] for n in nodes if n.op_type == "MatMulNBits" and ("bits", 8) in
+                 {(a.name, a.i) for a in n.attribute}})
+    (floats, eights), (none, searched) = terms(auto), terms(on)
+    assert len(floats) >= 4 and len(floats | eights) == 8 and not none and len(searched) == 8
+    offsets = floats | eights    # a float term's weights, an 8-bit one's scales (its codes: packed, dropped)
+    engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half, on)]
     prompt = list(range(1, 12))
     assert np.array_equal(engines[0].forward(prompt), engines[1].forward(prompt))
     for t in (5, 9, 200):
         assert np.array_equal(engines[0].forward([t]), engines[1].forward([t]))
-    assert all(mapped_kb(f) == 0 for f in files), files
+    for engine, names in ((engines[0], offsets), (engines[2], searched)):
+        place = engine.placement["stack.decode"]
+        assert names <= place.mapped and place.packed_files
+        assert all(mapped_kb(f) == 0 for f in place.packed_files), place.packed_files
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_computes_its_dequantized_model(preset: str, tmp_path) -> None:
     """At accuracy level 1 (fp32 activations) an export quantized with block minima on its layer linears only
-    computes the PyTorch model whose layer weights are dequantize(quantize(W)): logits within 1e-4 of it (every
+    computes the PyTorch model whose layer weights are dequantize(snap_offsets(quantize(W))): logits within 1e-4 of it (every
     preset's linears, fused or not, biased or not). The layer graphs fold LayerScale and MiniCPM's depth scale into
     o and down, which fp16-rounded block minima do not commute with: those presets export whole models."""
     import copy
@@ -279,7 +317,7 @@ def test_every_preset_computes_its_dequantized_model(preset: str, tmp_path) -> N
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.startswith("layers.") and p.dim() == 2:
-                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), MIN))))
+                p.copy_(torch.from_numpy(dequantize(snap_offsets(p.numpy(), quantize(p.numpy(), MIN)))))
     tokens = list(range(3, 22))
     got, _ = onnx_generate_logits(out, tokens, 0)
     want = torch_logits(ref, tokens)
