@@ -140,7 +140,7 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
 
 def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: QuantPlan) -> tuple[OffsetTerm, int]:
     """The block offsets' term: (A's block means [1, S, nb]) @ (m + 8 s) * block [nb, N] (schemes.offset_term),
-    the codes running symmetric, (code - 8) * s. Searched offsets put it on an 8-bit grid (schemes.snap_offsets):
+    the codes running symmetric, (code - 8) * s. Searched offsets put it on an 8-bit grid (methods.snap_offsets):
     an 8-bit MatMulNBits, which onnxruntime packs once and the runtime releases the mapped pages of (a float MatMul
     over fp16 offsets kept the float32 copy its prologue folded: Qwen2.5-0.5B 45 MB). Offsets kept as a source
     stored them (a Q4_K grid, `--block-min auto`) keep a float term, exact: float32, or fp16 folded at load."""

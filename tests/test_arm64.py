@@ -1,6 +1,6 @@
 """`edgellm run` as aarch64 Python under qemu (a Raspberry Pi 4 CPU), with only numpy, onnxruntime and
 tokenizers installed, gives the host's greedy tokens for fp32, int8, int4, int4 with an int8 KV cache, int4 with block
-minima (quantize --block-min: AveragePool + MatMul beside MatMulNBits), int4 of a model on a Q4_K_M-like mix of
+minima (quantize --block-min: AveragePool + an 8-bit MatMulNBits term), int4 of a model on a Q4_K_M-like mix of
 grids (each kept: 4-bit with offsets, int8 at blocks of 32 and 16, float32 steps) and fp16-cache exports, int4 also through its
 lone-row stack (`--exact-decode off`, format 13), up to a near-tie where the host's top two logits are within 0.05
 (the machines round differently); `--speculative auto` leaves greedy text as plain decoding gives it on the board;
