@@ -85,8 +85,11 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            # where int4's error comes from: the linears alone (the table fp32), the table alone (the linears fp32)
            "int4 linears only": ["--bits", "4", "--lm-head", "fp32", "--embeddings", "fp32", "--block-min", "off"],
            "int4 table only": ["--bits", "4", "--keep", "layers.*", "--block-min", "off"],
-           # int8 with each block's clip ratio searched, weighted by the activations (awq calibrates; no migration)
-           "int8 awq": ["--bits", "8", "--method", "awq"],
+           # int8 with each block's clip ratio searched, weighted by the activations (awq calibrates; no migration):
+           # the --bits 8 default on float weights; --block-min off: AWQ on a grid too, which auto rounds to nearest
+           "int8 awq": ["--bits", "8", "--method", "awq", "--block-min", "off"],
+           # int8 rounded to nearest (Q8_0's rule): the --bits 8 default on a grid, and the old one on float weights
+           "int8 rtn": ["--bits", "8", "--method", "rtn"],
            # int8 with o's scales per 64 weights: Q8_0's size (issue 22, step 4)
            "int8 o64": ["--bits", "8", "--group", "layers.*.attn.o=64"],
            # the old default with down's scales per 64 weights: Q4_0's size (the smaller setting before the split)

@@ -80,6 +80,10 @@ def _check_paths(src: Path, out: Path) -> None:
     need(not o.is_relative_to(s), f"-o {out}: is inside the input export {src}; choose a directory outside it")
     need(not s.is_relative_to(o), f"-o {out}: contains the input export {src}; replacing it would delete the input")
     need(not out.exists() or out.is_dir(), f"-o {out}: exists and is not a directory")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    need(parent.is_dir(), f"-o {out}: cannot create the output directory ({parent} is not a directory)")  # before calibrating
     need(not out.exists() or (out / MANIFEST).is_file() or not any(out.iterdir()),
          f"-o {out}: exists and holds no {MANIFEST}; refusing to replace it (choose a new or empty directory)")
 

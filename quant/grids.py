@@ -67,6 +67,8 @@ def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
     if options.block_min != "auto":
         return options
     off = dataclasses.replace(options, block_min="off")
+    if options.bits == 8:
+        return _int8(src, manifest, off, log)
     if options.bits != 4 or options.format != "fast" or not options.symmetric or options.group == 0:
         return off
     found = own_grids(src, manifest, off)
@@ -87,3 +89,29 @@ def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
     rows = options.head_int8_rows if options.grid_head_rows is None else options.grid_head_rows
     return dataclasses.replace(options, block_min="on" if any(s.offsets for s in found.values()) else "off",
                                method="grid", kept_grids=kept, head_int8_rows=rows)
+
+
+def _int8(src: Path, manifest: Manifest, options: QuantizeOptions, log: Callable[[str], None]) -> QuantizeOptions:
+    """`--bits 8` with `auto`: AWQ (the CLI's int8 method) is the better int8 of float weights (SmolLM2 moved off
+    its grids, harness: KL 0.0056 against RTN's 0.0066 and Q8_0's 0.0065), but weights that lie on a llama.cpp grid
+    it moves off, where rounding to nearest keeps them (Gemma 3's Q4_K_M mix, whose Q8_0 / Q5_0 tensors RTN at g32
+    keeps exactly: 0.0031 vs AWQ's 0.0033, Q8_0 0.0032; SmolLM2's Q4_1 grid 0.0056 vs 0.0054, both below Q8_0's
+    0.0064): a model converted from a GGUF (its first linear on a grid) gets RTN."""
+    if options.method != "awq" or not _first_on_grid(src, manifest, options):
+        return options
+    log("--block-min auto: the linears lie on llama.cpp grids (a model converted from a GGUF): int8 rounds them to "
+        "nearest (--method rtn), which keeps them closer than AWQ's search")
+    return dataclasses.replace(options, method="rtn")
+
+
+def _first_on_grid(src: Path, manifest: Manifest, options: QuantizeOptions) -> bool:
+    """Whether the first linear the plan quantizes lies on a llama.cpp grid at blocks of 32."""
+    choose = options.chooser(manifest.n_layers)
+    for g in manifest.graphs:
+        if g.role != "layer" or g.seq != manifest.prefill_chunk:
+            continue
+        for site, w in matmul_weights(load_graph(safe_join(src, g.file), True).graph):
+            if choose(site) is not None and w.shape[1] % 32 == 0:
+                return own_scheme(w, 32) is not None
+    return False
+

@@ -220,6 +220,20 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
 
 
+def test_int8_is_awq_on_float_weights_and_rounds_a_grid_to_nearest(grid_export, tmp_path, capsys) -> None:
+    """`--bits 8` (AWQ, `--block-min auto`): float weights keep AWQ (calibrated); a model whose linears lie on
+    llama.cpp grids is rounded to nearest (AWQ's search moves them off: the grid references' KL is lower with RTN),
+    with a line saying so; an explicit --block-min off keeps AWQ there too."""
+    float_dir, grid_dir = grid_export
+    code, err, record = _quantize(float_dir, tmp_path / "float8", capsys, "--bits", "8")
+    assert code == 0 and "--block-min" not in err and record["options"]["method"] == "awq" and record["calibration"]
+    code, err, record = _quantize(grid_dir, tmp_path / "grid8", capsys, "--bits", "8")
+    assert code == 0 and "int8 rounds them to nearest" in err and record["options"]["method"] == "rtn"
+    assert not record.get("calibration")
+    code, _, record = _quantize(grid_dir, tmp_path / "grid8-awq", capsys, "--bits", "8", "--block-min", "off")
+    assert code == 0 and record["options"]["method"] == "awq"
+
+
 def test_block_min_mse_calibrates_and_beats_min_to_max_on_float_weights(grid_export, tmp_path, capsys) -> None:
     """`--block-min on --method mse` on a float export: the record says mse with block minima and calibration, every
     layer weight has offsets, and the model's KL to fp32 is below min..max rounding's (`--method rtn`, which

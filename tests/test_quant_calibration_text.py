@@ -49,7 +49,7 @@ def test_quantize_records_the_text_it_calibrated_on(src, tmp_path) -> None:
 
 @pytest.mark.parametrize(("make", "flags", "want"), [
     (None, ["--bits", "4"], "--calibration-text: {missing}: not a file"),
-    ("text", ["--bits", "8"], "--calibration-text: nothing here calibrates"),
+    ("text", ["--bits", "8", "--method", "rtn"], "--calibration-text: nothing here calibrates"),
     ("empty", ["--bits", "4"], "--calibration-text: {path} is empty"),
 ])
 def test_bad_calibration_text_is_one_line(src, tmp_path, capsys, make, flags, want) -> None:

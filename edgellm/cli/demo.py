@@ -102,14 +102,14 @@ def run(args: argparse.Namespace) -> int:
 
     _stage("export: static-KV ONNX graphs, verified against PyTorch",
            ["export", model, "-o", fp32])  # defaults: the model's context (<= 512), prefill chunks of 32
-    _stage("quantize: int8 (g32 blocks, fp16 scales)", ["quantize", fp32, "-o", int8, "--bits", "8"])
+    _stage("quantize: int8 (AWQ, g32 blocks, fp16 scales)", ["quantize", fp32, "-o", int8, "--bits", "8"])
     _stage("quantize: int4 block-wise (group 32, MSE-searched scales)",
            ["quantize", fp32, "-o", int4, "--bits", "4", "--group-size", "32", "--method", "mse"])
     _stage("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",
            ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k", "20",
             "--seed", str(args.seed)], own_process=True)
 
-    print("\n== the same greedy continuation from each export:")
+    print("\n== the greedy continuation from each export (the same prompt; rounding may change where it goes):")
     for name, directory in (("fp32", fp32), ("int8", int8), ("int4", int4)):
         result = _quiet_json(["run", directory, "--prompt", prompt, "--max-new-tokens", "40",
                               "--temperature", "0", "--json"])

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
     p.add_argument("--method", default=None, metavar="{rtn,mse,awq,gptq}",
-                   help="default: awq for --bits 4, rtn for --bits 8. rtn: round to nearest; mse: per-group clip search for the least squared "
+                   help="default: awq (--bits 8: rtn where the linears lie on llama.cpp grids, --block-min auto). rtn: round to nearest; mse: per-group clip search for the least squared "
                         "error; awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
                         "on text it samples itself (int4); gptq: GPTQ's error-compensating rounding against each "
@@ -94,7 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "its own (4-bit, with offsets where it has them; its Q5_0/Q6_K/Q8_0 tensors int8), and 45 %% "
                         "of the table's rows int8; on: offsets for any weights (--method rtn: each block's min..max; "
                         "mse: llama.cpp's k-quant search of step and offset, weighted by calibration activations — on "
-                        "float weights the int4 that reaches Q4_K_M's KL with --lm-head-int8-rows 1 --int8-fraction 0.15)")
+                        "float weights the int4 that reaches Q4_K_M's KL with --lm-head-int8-rows 1 --int8-fraction 0.15). "
+                        "With --bits 8, auto (default) rounds weights on llama.cpp grids to nearest instead of AWQ")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
                         "settings from small to large; --bits picks the method's ladder start)")
