@@ -116,33 +116,25 @@ def search_offsets(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = 
     sw, swx = wts.sum(-1), (wts * x).sum(-1)
     zp = np.zeros(lo.shape, np.uint8)
 
-    def score(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(weighted error, d, m) with d and m rounded to fp16 and the block rounded onto their grid."""
-        d16, m16 = d.astype(np.float16).astype(np.float32), m.astype(np.float16).astype(np.float32)
-        return block_error(wb, scheme, weights, d16, zp, m16), d16, m16
+    def fitted(q: np.ndarray, d0: np.ndarray, m0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weighted error, d, m): the step and offset minimising sum(weights (d q + m - w)^2) for codes q (normal
+        equations; d0, m0 where q is degenerate), rounded to fp16, the block rounded onto their grid."""
+        sl, sll, slx = (wts * q).sum(-1), (wts * q * q).sum(-1), (wts * q * x).sum(-1)
+        det = sw * sll - sl * sl
+        ok = det > 1e-30 * np.maximum(sw * sll, 1e-30)
+        safe = np.where(ok, det, 1.0)
+        d = np.where(ok, (sw * slx - sl * swx) / safe, d0).astype(np.float16).astype(np.float32)
+        m = np.where(ok, (sll * swx - sl * slx) / safe, m0).astype(np.float16).astype(np.float32)
+        return block_error(wb, scheme, weights, d, zp, m), d, m
 
     best_d, best_m = offset_params(wb)                      # min..max (Q4_1's rule) is a candidate
     best_err = block_error(wb, scheme, weights, best_d, zp, best_m)
-    for r in steps:
-        q = np.clip(np.rint((x - lo[..., None]) * ((15 + r) / span)), 0, 15)
-        sl, sll, slx = (wts * q).sum(-1), (wts * q * q).sum(-1), (wts * q * x).sum(-1)
-        det = sw * sll - sl * sl
-        ok = det > 1e-30 * np.maximum(sw * sll, 1e-30)
-        safe = np.where(ok, det, 1.0)
-        d = np.where(ok, (sw * slx - sl * swx) / safe, (hi - lo) / 15)
-        m = np.where(ok, (sll * swx - sl * slx) / safe, lo)
-        err, d16, m16 = score(d, m)
-        better = (err < best_err) & (d16 > 0)
-        best_err = np.where(better, err, best_err)
-        best_d, best_m = np.where(better, d16, best_d), np.where(better, m16, best_m)
-    for _ in range(REFITS):  # the best's own codes, fitted again (they moved with the fp16 rounding)
-        q = codes_for(wb, best_d, zp, scheme, best_m).astype(np.float64)
-        sl, sll, slx = (wts * q).sum(-1), (wts * q * q).sum(-1), (wts * q * x).sum(-1)
-        det = sw * sll - sl * sl
-        ok = det > 1e-30 * np.maximum(sw * sll, 1e-30)
-        safe = np.where(ok, det, 1.0)
-        err, d16, m16 = score(np.where(ok, (sw * slx - sl * swx) / safe, best_d),
-                              np.where(ok, (sll * swx - sl * slx) / safe, best_m))
+    for i in range(len(steps) + REFITS):  # then the best's own codes, fitted again (fp16 rounding moved a few)
+        if i < len(steps):
+            q = np.clip(np.rint((x - lo[..., None]) * ((15 + steps[i]) / span)), 0, 15)
+            err, d16, m16 = fitted(q, (hi - lo) / 15, lo)
+        else:
+            err, d16, m16 = fitted(codes_for(wb, best_d, zp, scheme, best_m).astype(np.float64), best_d, best_m)
         better = (err < best_err) & (d16 > 0)
         best_err = np.where(better, err, best_err)
         best_d, best_m = np.where(better, d16, best_d), np.where(better, m16, best_m)
