@@ -135,6 +135,31 @@ def test_snapped_offsets_lie_on_the_term_grid_and_lose_no_block_to_the_nearest_l
     assert seen >= 10
 
 
+def test_the_symmetric_clip_search_refit_never_loses_a_block(stories260k, monkeypatch) -> None:
+    """`mse` / AWQ's clip search then fits the least-squares step of its best codes (methods.REFITS): per block the
+    weighted error is at most the search's alone, and on stories260K's trained weights lower in all (measured: int4
+    -1.8 %, int8 -6 %)."""
+    from edgellm.quant import methods
+    from edgellm.quant.methods import block_error, block_weights, search_params
+    from edgellm.quant.schemes import to_blocks
+
+    rng, refits = np.random.default_rng(11), methods.REFITS
+    for bits in (4, 8):
+        scheme, gains = Scheme(bits, 32, True), []
+        for name, p in stories260k.state_dict().items():
+            if p.dim() != 2 or not name.startswith("layers.") or p.shape[1] % 32:
+                continue
+            wb = to_blocks(p.float().numpy(), 32)
+            wts = block_weights(rng.uniform(0.2, 2.0, p.shape[1]).astype(np.float32), p.shape[1], 32)
+            errs = []
+            for n in (refits, 0):
+                monkeypatch.setattr(methods, "REFITS", n)
+                errs.append(block_error(wb, scheme, wts, *search_params(wb, scheme, wts)))
+            assert np.all(errs[0] <= errs[1] * (1 + 1e-6) + 1e-12), (bits, name)
+            gains.append(errs[0].sum() / errs[1].sum())
+        assert len(gains) >= 10 and float(np.mean(gains)) < 0.999, (bits, gains)
+
+
 @pytest.fixture(scope="module")
 def stories260k():
     from edgellm.loaders.dispatch import load_checkpoint
