@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(cfg, model_cfg, data, out, resume=args.resume, progress=not args.quiet)
     if d.main:
         print(result.summary())
-    ddp.teardown()
+    ddp.barrier(d)  # both ranks leave together: a rank that destroyed its group while the other was still in a
+    ddp.teardown()  # collective aborted once ("terminate called without an active exception", CI 2026-11-27)
     return 0
 
 
