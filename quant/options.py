@@ -55,14 +55,14 @@ INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp1
 # left, so 45 % of its rows int8 (harness, 2026-11-27: Gemma 3 270M KL 0.0110 at 235.5 MB -> 0.0031 at 246.7;
 # SmolLM2 0.0186 at 103.0 -> 0.0161 at 104.8; beside AWQ's linears every row int8 took Gemma's KL only -9 % for +22 %).
 # --bits 8: AWQ too, and `auto` rounds a model on llama.cpp grids to nearest instead (grids._int8): float weights
-# (SmolLM2 off its grids) KL 0.0056 against RTN's 0.0066 and Q8_0's 0.0065; Gemma 3's grids RTN 0.0031 vs 0.0033.
+# (SmolLM2 off its grids) KL 0.0053 against RTN's 0.0066 and Q8_0's 0.0065; Gemma 3's grids RTN 0.0031 vs 0.0033.
 CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
                                      "grid_head_rows": 0.45, "kv_dtype": "auto", "block_min": "auto"},
                                  8: {"method": "awq", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
                                      "grid_head_rows": None, "kv_dtype": "auto", "block_min": "auto"}}
 # QuantizeOptions.block_min: 4-bit linears with a float offset per block (schemes.Scheme.offsets, llama.cpp Q4_1's
-# layout: +1 bit per weight, an AveragePool per activation, a MatMul and an Add per linear: SmolLM2-135M decodes
-# ~0.75x as fast). "auto", the CLI's --bits 4 default: on when
+# layout: +1 bit per weight, an AveragePool per activation, an 8-bit MatMulNBits (a kept grid's: a float MatMul) and an
+# Add per linear: SmolLM2-135M decodes ~0.8x as fast). "auto", the CLI's --bits 4 default: on when
 # every 4-bit linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it then keeps exactly
 # (grids.py); "on" also for float weights (rounded min..max: --method rtn); "off": never
 BLOCK_MINS = ("auto", "on", "off")
