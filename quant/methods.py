@@ -78,6 +78,13 @@ def block_error(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None, scal
     return (err if weights is None else err * weights).sum(axis=-1)
 
 
+def ls_step(wb: np.ndarray, wts: np.ndarray, q: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """Per block [N, nb], float32: the step s minimising sum(wts (s q - wb)^2) for signed codes q [N, nb, bl] (wb
+    measured from the grid's centre), `fallback` where every code is 0."""
+    den = (wts * q * q).sum(-1)
+    return np.where(den > 0, (wts * q * wb).sum(-1) / np.where(den > 0, den, 1), fallback).astype(np.float32)
+
+
 # a search's best codes fitted again, as often: the step (and offset) that minimise the squared error for the codes the
 # best candidate rounds to differ from the candidate's (block offsets, the Q4_K_M-level flags on SmolLM2 off-grid:
 # weighted error -1.8 %, KL 0.0902 -> 0.0859; five refits 0.0862; symmetric blocks, the int4 / int8 defaults there:
@@ -102,9 +109,8 @@ def search_params(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | None = N
         wts = np.ones(wb.shape[-1], np.float32) if weights is None else weights
         for _ in range(REFITS):
             q = codes_for(wb, best_scale, best_zp, scheme).astype(np.float32) - np.float32(scheme.mid)
-            den = (wts * q * q).sum(-1)
-            scale = np.where(den > 0, (wts * q * wb).sum(-1) / np.where(den > 0, den, 1), best_scale)
-            err = block_error(wb, scheme, weights, scale.astype(np.float32), best_zp)
+            scale = ls_step(wb, wts, q, best_scale)
+            err = block_error(wb, scheme, weights, scale, best_zp)
             better = (err < best_err) & (scale != 0)
             best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
     return best_scale.astype(np.float32), best_zp.astype(np.uint8)
@@ -179,8 +185,7 @@ def snap_offsets(w: np.ndarray, qw: QuantizedWeight, act_scale: np.ndarray | Non
         for lv in (np.floor(level), np.ceil(level)):
             c = (np.where(top, np.rint(level), np.clip(lv, -127, 127)) * g).astype(np.float32)
             q = np.clip(np.rint((wb - c[..., None]) / np.where(d > 0, d, 1)[..., None]), -8, 7)
-            num, den = (wts * (wb - c[..., None]) * q).sum(-1), (wts * q * q).sum(-1)
-            refit = np.where(den > 0, num / np.where(den > 0, den, 1), d).astype(np.float32)
+            refit = ls_step(wb - c[..., None], wts, q, d)
             if half:
                 refit = refit.astype(np.float16).astype(np.float32)
             for step in (d, np.where(refit > 0, refit, d)):
@@ -207,8 +212,7 @@ def search_zero_points(wb: np.ndarray, scheme: Scheme, weights: np.ndarray | Non
         d = (span / (scheme.qmax + r)).astype(np.float32)
         z = np.clip(np.rint(-lo / d), 0, scheme.qmax).astype(np.uint8)
         c = codes_for(wb, d, z, scheme).astype(np.float32) - z[..., None]
-        den = (wts * c * c).sum(-1)
-        s = np.where(den > 0, (wts * c * wb).sum(-1) / np.where(den > 0, den, 1.0), d).astype(np.float32)
+        s = ls_step(wb, wts, c, d)
         s = np.where(s > 0, s, d)
         err = block_error(wb, scheme, weights, s, z)
         better = err < best_err
