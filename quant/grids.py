@@ -16,7 +16,7 @@ the first such linear ends the scan, and `auto` is off.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +25,10 @@ from edgellm.runtime.fileio import safe_join
 from edgellm.runtime.manifest import Manifest
 
 from .gridfit import fit
+from .methods import QuantSpec
 from .onnxedit import load_graph
 from .options import QuantizeOptions
+from .plan import WeightSite
 from .schemes import Scheme
 from .sites import matmul_weights
 
@@ -41,22 +43,29 @@ def own_scheme(w: np.ndarray, block: int) -> Scheme | None:
     return next((s for s in candidates if fit(w, s) is not None), None)
 
 
-def own_grids(src: Path, manifest: Manifest, options: QuantizeOptions) -> dict[str, Scheme] | None:
-    """{weight: its own grid's scheme} for every linear `options` would make 4-bit, if each lies on one and at
-    least one is 4-bit; None at the first that lies on none (or when none is 4-bit)."""
+def _linears(src: Path, manifest: Manifest, options: QuantizeOptions) -> Iterator[tuple[WeightSite, np.ndarray, QuantSpec]]:
+    """(site, w [N, K], its spec) of each layer linear the plan quantizes, in graph order (weights loaded lazily)."""
     choose = options.chooser(manifest.n_layers)
-    found: dict[str, Scheme] = {}
     for g in manifest.graphs:
         if g.role != "layer" or g.seq != manifest.prefill_chunk:
             continue
         for site, w in matmul_weights(load_graph(safe_join(src, g.file), True).graph):
             spec = choose(site)
-            if spec is None or spec.scheme.bits != 4 or site.name in found:
-                continue
-            scheme = own_scheme(w, spec.scheme.block_size) if spec.scheme.block_size else None
-            if scheme is None:
-                return None
-            found[site.name] = scheme
+            if spec is not None:
+                yield site, w, spec
+
+
+def own_grids(src: Path, manifest: Manifest, options: QuantizeOptions) -> dict[str, Scheme] | None:
+    """{weight: its own grid's scheme} for every linear `options` would make 4-bit, if each lies on one and at
+    least one is 4-bit; None at the first that lies on none (or when none is 4-bit)."""
+    found: dict[str, Scheme] = {}
+    for site, w, spec in _linears(src, manifest, options):
+        if spec.scheme.bits != 4 or site.name in found:
+            continue
+        scheme = own_scheme(w, spec.scheme.block_size) if spec.scheme.block_size else None
+        if scheme is None:
+            return None
+        found[site.name] = scheme
     return found if any(s.bits == 4 for s in found.values()) else None
 
 
@@ -105,13 +114,6 @@ def _int8(src: Path, manifest: Manifest, options: QuantizeOptions, log: Callable
 
 
 def _first_on_grid(src: Path, manifest: Manifest, options: QuantizeOptions) -> bool:
-    """Whether the first linear the plan quantizes lies on a llama.cpp grid at blocks of 32."""
-    choose = options.chooser(manifest.n_layers)
-    for g in manifest.graphs:
-        if g.role != "layer" or g.seq != manifest.prefill_chunk:
-            continue
-        for site, w in matmul_weights(load_graph(safe_join(src, g.file), True).graph):
-            if choose(site) is not None and w.shape[1] % 32 == 0:
-                return own_scheme(w, 32) is not None
-    return False
-
+    """Whether the first linear the plan quantizes (K a multiple of 32) lies on a llama.cpp grid at blocks of 32."""
+    w = next((w for _, w, _ in _linears(src, manifest, options) if w.shape[1] % 32 == 0), None)
+    return w is not None and own_scheme(w, 32) is not None
