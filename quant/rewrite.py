@@ -40,7 +40,7 @@ from .plan import (
     WeightSite,
     by_pattern,
 )
-from .schemes import OFFSET_TERM, QuantizedWeight, offset_term, quantize, term_fits
+from .schemes import QuantizedWeight, offset_term, snapped_term
 from .sites import module_of, weight_use
 
 # the plan types lived here first: importers of rewrite keep working
@@ -144,9 +144,9 @@ def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: Qu
     an 8-bit MatMulNBits, which onnxruntime packs once and the runtime releases the mapped pages of (a float MatMul
     over fp16 offsets kept the float32 copy its prologue folded: Qwen2.5-0.5B 45 MB). Offsets kept as a source
     stored them (a Q4_K grid, `--block-min auto`) keep a float term, exact: float32, or fp16 folded at load."""
-    weights = offset_term(arr.offsets, arr.scales, arr.block_size)    # [N, nb]
-    if term_fits(arr.offsets, arr.scales, arr.block_size):
-        term = plan.nbits(quantize(weights, OFFSET_TERM))
+    snapped = snapped_term(arr.offsets, arr.scales, arr.block_size)
+    if snapped is not None:
+        term = plan.nbits(snapped)
         inputs = [b.array(f"{name}.offsets.q", term.b)[0], b.array(f"{name}.offsets.scales", term.scales)[0]]
         attrs = {"K": term.k, "N": term.n, "bits": 8, "block_size": term.block_size}
         return OffsetTerm(inputs, attrs, arr.k, arr.block_size), term.b.nbytes + term.scales.nbytes
@@ -160,7 +160,7 @@ def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: Qu
                        helper.make_node("Mul", [o, b.const(f"offsets.block{arr.block_size}", np.array(block))], [p],
                                         name=p)]
         return OffsetTerm([p], {}, arr.k, arr.block_size), m.size * 2 + 8
-    o = np.ascontiguousarray(weights.T)
+    o = np.ascontiguousarray(offset_term(arr.offsets, arr.scales, arr.block_size).T)
     return OffsetTerm([b.array(f"{name}.offsets", o)[0]], {}, arr.k, arr.block_size), o.nbytes
 
 

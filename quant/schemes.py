@@ -221,13 +221,13 @@ def offset_term(offsets: np.ndarray, scales: np.ndarray, block: int) -> np.ndarr
     return ((offsets + np.float32(8) * scales) * np.float32(block)).astype(np.float32)
 
 
-def term_fits(offsets: np.ndarray, scales: np.ndarray, block: int) -> bool:
-    """Whether the offset term of these offsets and steps [N, nb] is on its 8-bit grid (snapped offsets) within
-    float32's rounding of m + 8 s (where m ~ -8 s, a few ulps of 8 s)."""
+def snapped_term(offsets: np.ndarray, scales: np.ndarray, block: int) -> QuantizedWeight | None:
+    """The offset term of these offsets and steps [N, nb] on its 8-bit grid (OFFSET_TERM), if it lies there (snapped
+    offsets) within float32's rounding of m + 8 s (where m ~ -8 s, a few ulps of 8 s); None otherwise."""
     term = offset_term(offsets, scales, block)
-    again = dequantize(quantize(term, OFFSET_TERM))
+    qw = quantize(term, OFFSET_TERM)
     slack = 1e-6 * (np.abs(offsets) + np.float32(8) * np.abs(scales)) * np.float32(block)
-    return bool(np.all(np.abs(again - term) <= slack))
+    return qw if bool(np.all(np.abs(dequantize(qw) - term) <= slack)) else None
 
 
 def fp16_exact(scales: np.ndarray) -> bool:

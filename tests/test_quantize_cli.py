@@ -300,17 +300,16 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_cli_defaults_per_bits() -> None:
-    """`--bits 4` without other flags: AWQ and an int8 table for 30 % of its rows (CLI_DEFAULTS);
-    `--bits 8`: AWQ at Q8_0's g32 (RTN where `--block-min auto` finds llama.cpp grids); a flag given wins."""
+    """CLI_DEFAULTS: AWQ for both (`--block-min auto`), int4's table int8 in 30 % of its rows; a flag given wins."""
     from edgellm.cli import build_parser
     from edgellm.cli.quantize import options_from_args
 
     def opts(*flags: str):
         return options_from_args(build_parser().parse_args(["quantize", "x", "-o", "y", *flags]))
     o4, o8 = opts("--bits", "4"), opts("--bits", "8")
-    assert (o4.method, o4.head, o4.int8_fraction, o4.group, o4.fp16_scales) == ("awq", "int8", 0.0, 32, True)
-    assert (o8.method, o8.head, o8.int8_fraction, o8.group, o8.fp16_scales) == ("awq", "int8", 0.0, 32, True)
-    assert (o4.block_min, o8.block_min, opts("--bits", "8", "--method", "rtn").method) == ("auto", "auto", "rtn")
+    for o in (o4, o8):  # --bits 8 too: awq, block_min auto
+        assert (o.method, o.head, o.int8_fraction, o.group, o.fp16_scales, o.block_min) == ("awq", "int8", 0.0, 32, True, "auto")
+    assert opts("--bits", "8", "--method", "rtn").method == "rtn"
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
     # the int8 head's rows split by default where it can be: an int8 head in the fast format
