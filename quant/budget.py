@@ -59,7 +59,7 @@ def variants(options: QuantizeOptions) -> list[tuple[str, QuantizeOptions]]:
             continue  # block minima are MatMulNBits' symmetric codes plus an offset term (fast format only)
         if change.get("head_int8_rows", 1.0) < 1.0 and options.format != "fast":
             continue  # a table split into int8 and int4 rows is gathered by fast-format ops only
-        v = dataclasses.replace(options, grid_head_rows=None, **change)   # each rung's rows are its label's
+        v = dataclasses.replace(options, on_grids=(), **change)   # each rung's settings are its label's, grids or not
         if v.method != "gptq":
             v = dataclasses.replace(v, act_order=False)
         if not v.calibrated:    # a rung that reads no calibration (rtn, no split) has no use for the text

@@ -10,7 +10,7 @@ own grid when all of them lie on one and at least one on a 4-bit grid (the sourc
 weights all on 5-8 bit grids are quantized to 4 bits as asked): 4-bit grids in 4 bits (blocks with offsets where
 they have one, schemes.Scheme.offsets), finer ones in int8 at the block size they fit (32, or Q6_K's 16), all with
 the step (and offset) recovered exactly (`--method grid` in the record). A trained float weight lies on none:
-the first such linear ends the scan, and `auto` is off.
+the first such linear ends the scan, and the profile's settings for float weights stand (profiles.py).
 """
 
 from __future__ import annotations
@@ -71,18 +71,18 @@ def own_grids(src: Path, manifest: Manifest, options: QuantizeOptions) -> dict[s
 
 def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
             log: Callable[[str], None]) -> QuantizeOptions:
-    """`options` with `block_min` "auto" resolved: grids found -> `--method grid` with every linear's own scheme
-    (block_min "on" when any has offsets), else "off"; other values as they are."""
-    if options.block_min != "auto":
+    """`options` with `keep_grids` resolved: 4-bit linears all on grids -> `--method grid` with every linear's own
+    scheme (block_min "on" when any has offsets); 8-bit linears on a grid -> `on_grids` (rounded to nearest); either
+    with `on_grids`' fields; else `options` as they are (float weights: the profile's settings)."""
+    if not options.keep_grids:
         return options
-    off = dataclasses.replace(options, block_min="off")
     if options.bits == 8:
-        return _int8(src, manifest, off, log)
+        return _int8(src, manifest, options, log)
     if options.bits != 4 or options.format != "fast" or not options.symmetric or options.group == 0:
-        return off
-    found = own_grids(src, manifest, off)
+        return options
+    found = own_grids(src, manifest, dataclasses.replace(options, block_min="off"))
     if not found:
-        return off
+        return options
     kinds: dict[str, int] = {}
     for s in found.values():
         label = ("4-bit with offsets (Q4_1/Q4_K)" if s.offsets else "4-bit symmetric (Q4_0)" if s.bits == 4
@@ -95,22 +95,19 @@ def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
         + ("; --block-min off decodes faster, at a second rounding's error" if any(s.offsets for s in found.values())
            else ""))
     kept = tuple(sorted((name, s.bits, s.block_size, s.offsets) for name, s in found.items()))
-    rows = options.head_int8_rows if options.grid_head_rows is None else options.grid_head_rows
-    return dataclasses.replace(options, block_min="on" if any(s.offsets for s in found.values()) else "off",
-                               method="grid", kept_grids=kept, head_int8_rows=rows)
+    return dataclasses.replace(options, **dict(options.on_grids), method="grid", kept_grids=kept,
+                               block_min="on" if any(s.offsets for s in found.values()) else "off")
 
 
 def _int8(src: Path, manifest: Manifest, options: QuantizeOptions, log: Callable[[str], None]) -> QuantizeOptions:
-    """`--bits 8` with `auto`: AWQ (the CLI's int8 method) is the better int8 of float weights (SmolLM2 moved off
-    its grids, harness: KL 0.0056 against RTN's 0.0066 and Q8_0's 0.0065), but weights that lie on a llama.cpp grid
-    it moves off, where rounding to nearest keeps them (Gemma 3's Q4_K_M mix, whose Q8_0 / Q5_0 tensors RTN at g32
-    keeps exactly: 0.0031 vs AWQ's 0.0033, Q8_0 0.0032; SmolLM2's Q4_1 grid 0.0056 vs 0.0054, both below Q8_0's
-    0.0064): a model converted from a GGUF (its first linear on a grid) gets RTN."""
-    if options.method != "awq" or not _first_on_grid(src, manifest, options):
+    """`--bits 8`: AWQ (the profile's int8 method) is the better int8 of float weights, but weights that lie on a
+    llama.cpp grid it moves off, where rounding to nearest keeps them (profiles.py): a model converted from a GGUF
+    (its first linear on a grid) gets `on_grids` (the method rtn, unless --method was given)."""
+    if not options.on_grids or not _first_on_grid(src, manifest, options):
         return options
     log("--block-min auto: the linears lie on llama.cpp grids (a model converted from a GGUF): int8 rounds them to "
         "nearest (--method rtn), which keeps them closer than AWQ's search")
-    return dataclasses.replace(options, method="rtn")
+    return dataclasses.replace(options, **dict(options.on_grids))
 
 
 def _first_on_grid(src: Path, manifest: Manifest, options: QuantizeOptions) -> bool:

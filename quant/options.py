@@ -3,7 +3,7 @@
 Which weight gets what (first match wins):
   1. `--keep PATTERN`            fp32 (fnmatch on the module path, e.g. "layers.0.*", or the initializer name)
   2. the lm_head                 `--lm-head` int8 (group 32) | int4 (`--group-size`, default 32) | fp32;
-                                 default: the linears' bits (the CLI's --bits 4: int8, CLI_DEFAULTS);
+                                 default: the linears' bits (the CLI's --bits 4: int8, profiles.py);
                                  `--lm-head-int8-rows F` (int8 head, --bits 4): only the fraction F of its
                                  vocabulary rows that matter most int8, the rest int4 (headsplit.py)
   3. `--int8-layers 0,-1`        every linear of those layers int8 (group 32; with `--bits 4`)
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from edgellm.runtime.errors import need
 from .headsplit import HI, LO, part_name
 from .methods import QuantSpec
 from .plan import SCALES_DTYPES, Chooser, Format, QuantPlan, WeightSite, by_pattern, site_matches
+from .profiles import GRID_FIELDS
 from .schemes import Scheme
 
 BITS = (4, 8)
@@ -44,28 +45,13 @@ METHODS: tuple[Method, ...] = get_args(Method)[:-1]
 EMBEDDINGS: tuple[Embeddings, ...] = get_args(Embeddings)
 LM_HEADS: tuple[LmHead, ...] = get_args(LmHead)
 INT8_GROUP = 32    # the --bits 8 default block: llama.cpp Q8_0 layout (g32, fp16 scale = 8.5 bits/weight)
-# What `edgellm quantize --bits N` uses for the flags not given (the dataclass defaults below are the plain RTN
-# baseline that the API and tests build on). Chosen on real checkpoints against llama.cpp (docs/quantization.md):
-# --bits 4: AWQ (SmolLM2 KL 0.376 -> 0.288 at the same bytes) and an int8 lm_head / tied table (the largest single
-# error source at int4: an int4 table 0.301 vs 0.205) for the 30 % of its rows that carry the probability on
-# calibration text, the rest int4 (headsplit.py; SmolLM2 0.205 at 91.1 MB -> 0.227 at 81.4, Gemma 3 270M 0.116
-# at 239.7 -> 0.127 at 182.0; the head reads 1 ms less per token at the Qwen2.5-0.5B shape). --int8-fraction
-# stays 0 (bytes for KL: `--group-size 16 --int8-fraction 0.16`, slower to decode).
-# Where --block-min auto keeps the linears' own grids exactly (grids.py), the table's int4 rows are most of the error
-# left, so 45 % of its rows int8 (harness, 2026-11-27: Gemma 3 270M KL 0.0110 at 235.5 MB -> 0.0031 at 246.7;
-# SmolLM2 0.0186 at 103.0 -> 0.0161 at 104.8; beside AWQ's linears every row int8 took Gemma's KL only -9 % for +22 %).
-# --bits 8: AWQ too, and `auto` rounds a model on llama.cpp grids to nearest instead (grids._int8): float weights
-# (SmolLM2 off its grids) KL 0.0053 against RTN's 0.0066 and Q8_0's 0.0065; Gemma 3's grids RTN 0.0031 vs 0.0033.
-CLI_DEFAULTS: dict[int, dict] = {4: {"method": "awq", "lm_head": "int8", "int8_fraction": 0.0, "head_int8_rows": 0.3,
-                                     "grid_head_rows": 0.45, "kv_dtype": "auto", "block_min": "auto"},
-                                 8: {"method": "awq", "lm_head": None, "int8_fraction": 0.0, "head_int8_rows": 1.0,
-                                     "grid_head_rows": None, "kv_dtype": "auto", "block_min": "auto"}}
 # QuantizeOptions.block_min: 4-bit linears with a float offset per block (schemes.Scheme.offsets, llama.cpp Q4_1's
-# layout: +1 bit per weight, an AveragePool per activation, an 8-bit MatMulNBits (a kept grid's: a float MatMul) and an
-# Add per linear: SmolLM2-135M decodes ~0.8x as fast). "auto", the CLI's --bits 4 default: on when
-# every 4-bit linear already lies on such a grid (a model converted from a Q4_1 GGUF), which it then keeps exactly
-# (grids.py); "on" also for float weights (rounded min..max: --method rtn); "off": never
-BLOCK_MINS = ("auto", "on", "off")
+# layout: +1 bit per weight (+0.5 with fp16 scales), an AveragePool per activation, an 8-bit MatMulNBits (a kept
+# grid's: a float MatMul) and an Add per linear: SmolLM2-135M decodes ~0.8x as fast); "on" for the CLI's balanced
+# --bits 4 profile on float weights (profiles.py). `keep_grids` (the CLI's `--block-min auto`): where every 4-bit
+# linear already lies on a llama.cpp grid (a model converted from a GGUF), each is kept exactly (grids.py), offsets
+# where its grid has them, and `on_grids` replaces the fields the user did not set
+BLOCK_MINS = ("on", "off")
 # QuantizeOptions.kv_dtype: None, the export's cache as it is ("float32": and it must be an fp32 one); "auto", the
 # CLI's default: float16 where the export can hold one (kv_cache.py: half the bytes, quality within noise, decode
 # -2 to -6 % at a few hundred tokens of context and +21 % at 1800);
@@ -99,13 +85,14 @@ class QuantizeOptions:
     calibration_text: str | None = None  # `--calibration-text`: calibrate on this file instead of sampled text
     kv_dtype: str | None = None         # `--kv-dtype` (kv_cache.py); None: the export's cache as it is
     scales_dtype: str = "auto"          # `--scales-dtype` (SCALES_DTYPES)
-    block_min: str = "off"              # `--block-min` (BLOCK_MINS)
+    block_min: str = "off"              # `--block-min` on / off (BLOCK_MINS)
+    keep_grids: bool = False            # `--block-min auto` (grids.py)
+    # the fields `keep_grids` replaces when it keeps the linears' own grids: (field, value), those the user did not
+    # set (profiles.ON_GRIDS)
+    on_grids: tuple[tuple[str, Any], ...] = ()
     # what `--block-min auto` found (grids.py; method "grid"): (weight, bits, block size, offsets) of every linear
     # kept exactly on its own grid
     kept_grids: tuple[tuple[str, int, int, bool], ...] = ()
-    # the split head's int8 rows when `--block-min auto` keeps the linears' grids (None: head_int8_rows as it is):
-    # the table's int4 rows are then the largest error left, so rows buy more there (CLI_DEFAULTS, grids.py)
-    grid_head_rows: float | None = None
 
     def validate(self, n_layers: int | None = None) -> None:
         """EdgeError naming the flag; with `n_layers`, also the layer indices."""
@@ -139,8 +126,8 @@ class QuantizeOptions:
         need(not self.split_head or self.format == "fast",
              "--lm-head-int8-rows: only with --format fast (a portable int4 part could not be gathered by "
              "a tied lookup)")
-        need(self.grid_head_rows is None or 0.0 < self.grid_head_rows <= 1.0,
-             f"grid_head_rows: expected a fraction in (0, 1], got {self.grid_head_rows!r}")
+        bad = [k for k, _ in self.on_grids if k not in GRID_FIELDS]
+        need(not bad, f"on_grids: expected fields among {', '.join(sorted(GRID_FIELDS))}, got {bad}")
         need(self.scales_dtype in SCALES_DTYPES,
              f"--scales-dtype: expected {', '.join(SCALES_DTYPES)}, got {self.scales_dtype!r}")
         need(self.block_min in BLOCK_MINS, f"--block-min: expected {', '.join(BLOCK_MINS)}, got {self.block_min!r}")
@@ -251,11 +238,15 @@ class QuantizeOptions:
             if spec is None or site.op == "Gather":  # a row lookup's table: per row, or the tied lm_head's
                 return spec
             rule = next(((pattern, n) for pattern, n in self.groups if site_matches(site, pattern)), None)
-            if rule is None:
-                return spec
-            need(rule[1] != 0 or not spec.scheme.offsets,
-                 f"--group {rule[0]}=0: {site.module or site.name} has block minima (--block-min), which need blocks")
-            return replace(spec, scheme=replace(spec.scheme, block_size=rule[1]))
+            if rule is not None:
+                need(rule[1] != 0 or not spec.scheme.offsets, f"--group {rule[0]}=0: {site.module or site.name} "
+                                                               "has block minima (--block-min), which need blocks")
+                spec = replace(spec, scheme=replace(spec.scheme, block_size=rule[1]))
+            if spec.scheme.offsets and site.shape[1] % spec.scheme.block_size:
+                # block offsets are one AveragePool over whole blocks (rewrite.py): a K that is no multiple of the
+                # block (a toy model's 176) gets the symmetric blocks MatMulNBits pads
+                spec = replace(spec, scheme=replace(spec.scheme, symmetric=True, offsets=False))
+            return spec
         return choose
 
     def plan(self, n_layers: int, act_scales: Mapping[str, np.ndarray] | None = None,
@@ -279,6 +270,7 @@ class QuantizeOptions:
         d["keep"], d["int8_layers"] = list(self.keep), list(self.int8_layers)
         d["groups"] = [list(rule) for rule in self.groups]
         d["kept_grids"] = [list(rule) for rule in self.kept_grids]
+        d["on_grids"] = {k: v for k, v in self.on_grids}
         return d
 
 

@@ -130,21 +130,23 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
     assert len(layers) == 8 and all(w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers.values())
     # the quantized export computes the grid model: its layers add no error, only the int8 head / table does
-    code, _, off = _quantize(grid_dir, tmp_path / "grid-off", capsys, "--bits", "4", "--block-min", "off")
+    code, _, off = _quantize(grid_dir, tmp_path / "grid-off", capsys, "--bits", "4", "--block-min", "off",
+                             "--int8-fraction", "0")
     assert code == 0 and all(w["rel_rms_err"] > 0.01 for n, w in off["weights"].items() if n.startswith("layers."))
     prompt = list(range(3, 19))
     ref, _ = onnx_generate_logits(grid_dir, prompt, 0)
     kl = {name: float(kl_divergence(ref, onnx_generate_logits(tmp_path / name, prompt, 0)[0]).mean())
           for name in ("grid-int4", "grid-off")}
     assert kl["grid-int4"] < 0.5 * kl["grid-off"], kl
-    # trained-like float weights: auto stays off, and the --bits 4 default (awq) applies
+    # trained-like float weights: no grid, and the --bits 4 profile's settings apply (balanced: k-quant minima)
     code, err, record = _quantize(float_dir, tmp_path / "float-int4", capsys, "--bits", "4")
     assert code == 0 and "--block-min" not in err
-    assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "mse")
+    assert record["options"]["int8_fraction"] == 0.15 and record["options"]["scales_dtype"] == "float16"
     code, _, record = _quantize(float_dir, tmp_path / "float-min", capsys, "--bits", "4", "--block-min", "on",
-                                "--group", "lm_head=0")              # a per-channel head: no offsets, allowed
-    assert code == 0 and record["options"]["method"] == "rtn"
-    assert {record["weights"][f"lm_head.{part}.weight"]["block_size"] for part in ("hi", "lo")} == {0}
+                                "--group", "lm_head=0", "--int8-fraction", "0")   # a per-channel head: no offsets
+    assert code == 0 and record["options"]["method"] == "mse"
+    assert record["weights"]["lm_head.weight"]["block_size"] == 0
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
 
 
@@ -167,7 +169,7 @@ def test_block_min_mse_calibrates_and_beats_min_to_max_on_float_weights(grid_exp
     layer weight has offsets, and the model's KL to fp32 is below min..max rounding's (`--method rtn`, which
     needs no calibration) on the same prompt."""
     float_dir = grid_export[0]
-    flags = ("--bits", "4", "--block-min", "on", "--lm-head", "fp32", "--embeddings", "fp32")
+    flags = ("--bits", "4", "--block-min", "on", "--lm-head", "fp32", "--embeddings", "fp32", "--int8-fraction", "0")
     code, _, mse = _quantize(float_dir, tmp_path / "mse", capsys, *flags, "--method", "mse")
     assert code == 0 and (mse["options"]["method"], mse["options"]["block_min"]) == ("mse", "on")
     code, _, rtn = _quantize(float_dir, tmp_path / "rtn", capsys, *flags, "--method", "rtn")
@@ -218,8 +220,8 @@ def test_offset_terms_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> Non
     from edgellm.runtime.session import SessionConfig
     from tests.quant_helpers import mapped_kb
 
-    auto = quantize_export(grid_export[1], tmp_path / "auto", bits=4, block_min="auto")
-    half = quantize_export(grid_export[1], tmp_path / "half", bits=4, block_min="auto", scales_dtype="float16")
+    auto = quantize_export(grid_export[1], tmp_path / "auto", bits=4, keep_grids=True)
+    half = quantize_export(grid_export[1], tmp_path / "half", bits=4, keep_grids=True, scales_dtype="float16")
     on = quantize_export(grid_export[1], tmp_path / "on", bits=4, block_min="on")
     def terms(d: Path) -> tuple[set[str], set[str]]:
         nodes = onnx.load(str(d / "stack.onnx"), load_external_data=False).graph.node
@@ -288,7 +290,8 @@ def test_a_q4_0_grid_is_kept_without_offsets_and_awq_keeps_it_too(tmp_path, caps
     assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "grid")
     layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]
     assert len(layers) == 8 and all(not w["offsets"] and w["rel_rms_err"] < 1e-6 for w in layers)
-    code, err, record = _quantize(src, tmp_path / "awq", capsys, "--bits", "4", "--block-min", "off")
+    code, err, record = _quantize(src, tmp_path / "awq", capsys, "--bits", "4", "--block-min", "off",
+                                  "--profile", "small")
     assert code == 0 and "--block-min auto" not in err
     assert (record["options"]["block_min"], record["options"]["method"]) == ("off", "awq")
     layers = [w for n, w in record["weights"].items() if n.startswith("layers.")]

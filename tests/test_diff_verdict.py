@@ -115,12 +115,13 @@ def test_fix_command_is_pasteable_and_accepted_by_edgellm_quantize():
      dict(bits=4, head="int8", embeddings="fp32", keep=("lm_head",), int8_layers=(), head_int8_rows=1.0)),
     ({**INT4, "lm_head": "int8", "head_int8_rows": 0.3}, [1], dict(head="int8", head_int8_rows=0.3, int8_layers=(1,))),
     ({**INT4, "lm_head": "int8", "head_int8_rows": 0.5}, [1], dict(head="int8", head_int8_rows=0.5)),
-    ({**INT4, "lm_head": "int4"}, [1], dict(head="int8", head_int8_rows=0.3)),      # the fix's int8 head: split
+    ({**INT4, "lm_head": "int4"}, [1], dict(head="int8", head_int8_rows=1.0, method="rtn", block_min="off",
+                                           int8_fraction=0.0, scales_dtype="auto")),  # the fix's head: the default
     ({**INT4, "lm_head": "int8", "head_int8_rows": 0.3, "block_min": "on", "scales_dtype": "float16"}, [1],
      dict(block_min="on", method="rtn", scales_dtype="float16", int8_layers=(1,))),   # block minima kept
     ({**INT4, "method": "grid", "lm_head": "int8", "head_int8_rows": 0.45, "block_min": "on",
       "kept_grids": [["layers.0.attn.qkv.weight", 4, 32, True]]}, [1],
-     dict(block_min="auto", method="awq", head_int8_rows=0.45, int8_layers=(1,))),   # own grids: auto finds them
+     dict(keep_grids=True, head_int8_rows=0.45, int8_fraction=0.0, int8_layers=(1,))),   # own grids: auto finds them
 ])
 def test_fix_repeats_the_recorded_options(options, layers, want):
     """The command rebuilds the variant as it was quantized, plus the fix: int8 models keep the layers

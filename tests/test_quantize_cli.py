@@ -299,24 +299,39 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_cli_defaults_per_bits() -> None:
-    """CLI_DEFAULTS: AWQ for both (`--block-min auto`), int4's table int8 in 30 % of its rows; a flag given wins."""
+def test_cli_defaults_per_profile() -> None:
+    """quant/profiles.py: --bits 4 balanced (k-quant block minima, fp16 scales, table int8, 15 % int8), small (AWQ,
+    30 % of the table's rows int8), --bits 8 AWQ; all keep grids (`--block-min auto`) with their on-grid settings
+    for the flags not given; a flag given wins, and where block minima cannot be, the profile's linears are
+    symmetric blocks."""
     from edgellm.cli import build_parser
     from edgellm.cli.quantize import options_from_args
 
     def opts(*flags: str):
         return options_from_args(build_parser().parse_args(["quantize", "x", "-o", "y", *flags]))
-    o4, o8 = opts("--bits", "4"), opts("--bits", "8")
-    for o in (o4, o8):  # --bits 8 too: awq, block_min auto
-        assert (o.method, o.head, o.int8_fraction, o.group, o.fp16_scales, o.block_min) == ("awq", "int8", 0.0, 32, True, "auto")
-    assert opts("--bits", "8", "--method", "rtn").method == "rtn"
-    small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
-    assert (small.method, small.head, small.int8_fraction) == ("rtn", "int4", 0.0)
-    # the int8 head's rows split by default where it can be: an int8 head in the fast format
-    assert (o4.head_int8_rows, o8.head_int8_rows, small.head_int8_rows) == (0.3, 1.0, 1.0)
+    b4, s4, o8 = opts("--bits", "4"), opts("--bits", "4", "--profile", "small"), opts("--bits", "8")
+    fields = ("method", "block_min", "scales_dtype", "head", "head_int8_rows", "int8_fraction", "group", "keep_grids")
+    assert tuple(getattr(b4, f) for f in fields) == ("mse", "on", "float16", "int8", 1.0, 0.15, 32, True)
+    assert tuple(getattr(s4, f) for f in fields) == ("awq", "off", "auto", "int8", 0.3, 0.0, 32, True)
+    assert tuple(getattr(o8, f) for f in fields) == ("awq", "off", "auto", "int8", 1.0, 0.0, 32, True)
+    assert dict(b4.on_grids) == dict(s4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0,
+                                                      "scales_dtype": "auto"}
+    assert dict(o8.on_grids) == {"method": "rtn"} and opts("--bits", "8", "--method", "rtn").on_grids == ()
+    given = opts("--bits", "4", "--int8-fraction", "0.2", "--lm-head-int8-rows", "0.5", "--scales-dtype", "float32")
+    assert (given.int8_fraction, given.head_int8_rows, given.scales_dtype, given.on_grids) == (0.2, 0.5, "float32", ())
+    for flags in (["--format", "portable"], ["--asymmetric"], ["--group-size", "0"], ["--method", "gptq"],
+                  ["--method", "rtn"], ["--block-min", "off"]):
+        o = opts("--bits", "4", *flags)
+        assert o.block_min == "off" and o.keep_grids == (flags != ["--block-min", "off"]), flags
+        assert o.method == (flags[1] if flags[0] == "--method" else "awq"), flags   # symmetric: AWQ unless given
     assert opts("--bits", "4", "--format", "portable").head_int8_rows == 1.0
-    assert opts("--bits", "4", "--lm-head-int8-rows", "1").head_int8_rows == 1.0
-    assert (o4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \
+    assert opts("--bits", "4", "--profile", "small", "--format", "portable").on_grids == (
+        ("int8_fraction", 0.0), ("scales_dtype", "auto"))          # no head to split: its rows are not set on grids
+    assert (opts("--bits", "4", "--block-min", "on").method, opts("--bits", "4", "--profile", "small",
+                                                                   "--block-min", "on").method) == ("mse", "awq")
+    small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
+    assert (small.method, small.head, small.int8_fraction, small.head_int8_rows) == ("rtn", "int4", 0.0, 1.0)
+    assert (b4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \
         ((), (("layers.*.attn.o", 64), ("lm_head", 0)))
 
 
@@ -354,6 +369,8 @@ def test_cli_prints_the_table_and_checks(untied, tied, tmp_path, capsys) -> None
     (["--bits", "4", "--lm-head", "int4", "--lm-head-int8-rows", "0.3"], "--lm-head-int8-rows: only with --bits 4"),
     (["--bits", "4", "--lm-head-int8-rows", "0"], "--lm-head-int8-rows: expected a fraction"),
     (["--bits", "4", "--format", "portable", "--lm-head-int8-rows", "0.3"], "--lm-head-int8-rows: only with"),
+    (["--bits", "8", "--profile", "small"], "--profile small: only with --bits 4, got --bits 8"),
+    (["--bits", "4", "--profile", "small", "--kl-budget", "0.1"], "--profile: not with --kl-budget"),
 ])
 def test_cli_errors_are_one_line(untied, tmp_path, capsys, args: list[str], flag: str) -> None:
     _, src = untied
@@ -391,7 +408,8 @@ def test_a_split_head_needs_an_export_of_format_10_or_later(tmp_path, capsys) ->
     assert doc.pop("logit_columns") is None and doc["kv_layout"] == "rows"   # rows: no spare row in any format
     assert doc.pop("kv_dtype") == "float32"  # (format 14's key)
     (src / "manifest.json").write_text(json.dumps({**doc, "format_version": 9}))
-    code, _, err = cli([src, "-o", tmp_path / "q", "--bits", "4", "--calibration-tokens", "64"], capsys)
+    code, _, err = cli([src, "-o", tmp_path / "q", "--bits", "4", "--profile", "small", "--calibration-tokens", "64"],
+                       capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert "an export of format 9 cannot carry a split head (format 10 or later; re-export it, or pass " \
            "--lm-head-int8-rows 1)" in err and not (tmp_path / "q").exists()

@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     _stage("export: static-KV ONNX graphs, verified against PyTorch",
            ["export", model, "-o", fp32])  # defaults: the model's context (<= 512), prefill chunks of 32
     _stage("quantize: int8 (AWQ, g32 blocks, fp16 scales)", ["quantize", fp32, "-o", int8, "--bits", "8"])
-    _stage("quantize: int4 block-wise (group 32, MSE-searched scales)",
-           ["quantize", fp32, "-o", int4, "--bits", "4", "--group-size", "32", "--method", "mse"])
+    _stage("quantize: int4 (the balanced profile: g32 blocks with offsets by llama.cpp's k-quant search, the "
+           "table and the most sensitive linears int8)", ["quantize", fp32, "-o", int4, "--bits", "4"])
     _stage("run: the int4 export on onnxruntime (numpy + onnxruntime only, no torch: its own process)",
            ["run", int4, "--prompt", prompt, "--max-new-tokens", "60", "--temperature", "0.7", "--top-k", "20",
             "--seed", str(args.seed)], own_process=True)

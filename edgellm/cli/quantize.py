@@ -25,6 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("export", type=Path, help="fp32 export directory (from `edgellm export`)")
     p.add_argument("-o", "--output", type=Path, required=True, help="quantized export directory to write")
     p.add_argument("--bits", type=integer, required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
+    p.add_argument("--profile", default=None, choices=("balanced", "small"),
+                   help="the settings of the flags not given (quant/profiles.py). balanced (default): llama.cpp "
+                        "Q4_K_M's class - --bits 4 with block minima searched on calibration activations, fp16 "
+                        "scales, the table and the 15 %% most sensitive linears int8 (SmolLM2-135M: KL 0.086 at "
+                        "105.0 MB vs Q4_K_M 0.090 at 105.5); small (--bits 4): Q4_0's class, smaller and ~1.25x "
+                        "faster to decode - AWQ on symmetric blocks, 30 %% of the table's rows int8 (KL 0.18 at "
+                        "89.7 MB vs Q4_0 0.35 at 91.7)")
     p.add_argument("--group-size", type=integer, default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
                         "scale per output channel (default: 32)")
@@ -37,8 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
     p.add_argument("--method", default=None, metavar="{rtn,mse,awq,gptq}",
-                   help="default: awq (--bits 8: rtn where the linears lie on llama.cpp grids, --block-min auto). rtn: round to nearest; mse: per-group clip search for the least squared "
-                        "error; awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
+                   help="default: the profile's (--bits 4: mse with block minima, small: awq; --bits 8: awq, rtn where "
+                        "the linears lie on llama.cpp grids). rtn: round to nearest; mse: per-group clip search for "
+                        "the least squared error (with block minima: llama.cpp's k-quant search); awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
                         "on text it samples itself (int4); gptq: GPTQ's error-compensating rounding against each "
                         "linear's Hessian from the same calibration activations")
@@ -68,11 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--method gptq: quantize columns in order of decreasing activation energy")
     p.add_argument("--int8-fraction", type=number, default=None, metavar="F",
                    help="--bits 4: about this fraction of the linears' weights int8, the most sensitive ones as "
-                        "measured on calibration data (default 0)")
+                        "measured on calibration data (default 0.15; 0 with --profile small or where "
+                        "--block-min auto keeps the linears' grids)")
     p.add_argument("--lm-head-int8-rows", type=number, default=None, metavar="F",
                    help="--bits 4, int8 lm_head: only this fraction of its vocabulary rows int8, those carrying "
-                        "the probability on calibration text; the rest int4 (default 0.3, or 0.45 where --block-min auto "
-                        "keeps the linears' grids; 1: every row int8)")
+                        "the probability on calibration text; the rest int4 (default 1: every row int8; --profile small "
+                        "0.3; 0.45 where --block-min auto keeps the linears' grids)")
     p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
                    help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
                         "with a float32 cache: half its bytes, quality within noise, decode a few %% slower at short contexts and "
@@ -81,24 +90,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "per-channel scales calibrated on --calibration-tokens of sampled text, or "
                         "--calibration-text; runs on onnxruntime >= 1.27): faster plain decoding, slower "
                         "speculative verification (docs/quantization.md)")
-    p.add_argument("--scales-dtype", default="auto", choices=("auto", "float16", "float32"),
+    p.add_argument("--scales-dtype", default=None, choices=("auto", "float16", "float32"),
                    help="how the fast format stores the weights' block scales (their values are fp16-rounded "
-                        "either way). auto (default): float32 for 4-bit weights (+0.5 bit per weight on disk; the "
+                        "either way); default float16 for --bits 4 on float weights (Q4_K's bytes), else auto. "
+                        "auto: float32 for 4-bit weights (+0.5 bit per weight on disk; the "
                         "runtime drops them from RAM once packed, where onnxruntime keeps a float32 copy of fp16 "
                         "ones: SmolLM2-135M int4 -15 MB peak RSS), float16 for 8-bit ones (Q8_0's 8.5 bits per weight)")
     p.add_argument("--block-min", default=None, choices=("auto", "on", "off"),
-                   help="4-bit linears with a float offset (the block's minimum) beside each block's scale, llama.cpp "
-                        "Q4_1's layout: +1 bit per weight (+0.5 with --scales-dtype float16), decode ~25 %% slower "
-                        "(SmolLM2-135M). auto (--bits 4 default): where every linear already lies on a llama.cpp "
-                        "grid (a model converted from a 4-bit GGUF: Q4_0, Q4_1, a Q4_K_M mix), each is kept exactly on "
-                        "its own (4-bit, with offsets where it has them; its Q5_0/Q6_K/Q8_0 tensors int8), and 45 %% "
-                        "of the table's rows int8; on: offsets for any weights (--method rtn: each block's min..max; "
-                        "mse: llama.cpp's k-quant search of step and offset, weighted by calibration activations — on "
-                        "float weights the int4 that reaches Q4_K_M's KL with --lm-head-int8-rows 1 --int8-fraction 0.15). "
-                        "With --bits 8, auto (default) rounds weights on llama.cpp grids to nearest instead of AWQ")
+                   help="4-bit linears with a float offset beside each block's scale, llama.cpp Q4_1's layout: "
+                        "+1 bit per weight (+0.5 with --scales-dtype float16), decode ~0.8x (SmolLM2-135M). auto "
+                        "(default): where every linear already lies on a llama.cpp grid (a model converted from a "
+                        "4-bit GGUF: Q4_0, Q4_1, a Q4_K_M mix), each is kept exactly on its own (4-bit, with offsets "
+                        "where it has them; its Q5_0/Q6_K/Q8_0 tensors int8) and 45 %% of the table's rows int8 "
+                        "(--bits 8: rounded to nearest instead of AWQ); on float weights the profile's (balanced: "
+                        "on, small: off). on: offsets for any weights (--method rtn: each block's min..max; mse/awq: "
+                        "llama.cpp's k-quant search of step and offset, weighted by calibration activations); off: "
+                        "never, and no grid kept")
     p.add_argument("--kl-budget", type=number, default=None, metavar="X",
                    help="the smallest variant whose measured mean KL vs fp32 is <= X (tries a ladder of "
-                        "settings from small to large; --bits picks the method's ladder start)")
+                        "settings from small to large, each with the small profile's other settings; --bits picks the "
+                        "method's ladder start)")
     p.add_argument("--seed", type=integer, default=0, metavar="N", help="seed of the sampled calibration/check text (default 0)")
     p.add_argument("--no-check", action="store_true", help="skip the logits check against the fp32 export")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -114,33 +125,25 @@ def pattern_size(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"expected PATTERN=N (N an integer), got {text!r}") from None
 
 
-def _head_rows(args: argparse.Namespace, default: dict) -> float:
-    """--lm-head-int8-rows as given; by default the --bits default where the head can be split (an int8 head in
-    the fast format), else every row (an int4 or fp32 head, or portable, has nothing to split)."""
-    if args.lm_head_int8_rows is not None:
-        return args.lm_head_int8_rows
-    splittable = (args.lm_head or default["lm_head"]) == "int8" and args.format == "fast"
-    return default["head_int8_rows"] if splittable else 1.0
-
-
 def options_from_args(args: argparse.Namespace):
-    from edgellm.quant.options import CLI_DEFAULTS, QuantizeOptions
+    from edgellm.quant.options import QuantizeOptions
+    from edgellm.quant.profiles import defaults
 
-    default = CLI_DEFAULTS.get(args.bits, CLI_DEFAULTS[4])      # a bad --bits fails in validate()
-    fraction = default["int8_fraction"] if args.int8_fraction is None else args.int8_fraction
-    block_min = args.block_min or default["block_min"]
-    method = args.method or ("rtn" if block_min == "on" else default["method"])
+    need(args.profile is None or args.kl_budget is None,
+         "--profile: not with --kl-budget (its ladder picks the settings, from the small profile's)")
+    profile = args.profile or ("small" if args.kl_budget is not None else "balanced")
+    flags = {"method": args.method, "scales_dtype": args.scales_dtype, "lm_head": args.lm_head,
+             "head_int8_rows": args.lm_head_int8_rows, "int8_fraction": args.int8_fraction,
+             "kv_dtype": args.kv_dtype, "block_min": None if args.block_min == "auto" else args.block_min}
+    given = {k: v for k, v in flags.items() if v is not None}
+    need(args.bits in (4, 8), f"--bits: expected 4 or 8, got {args.bits}")
+    chosen, on_grids = defaults(args.bits, profile, given, args.format, args.symmetric, args.group_size)
     options = QuantizeOptions(
-        bits=args.bits, group_size=args.group_size,
-        symmetric=args.symmetric, format=args.format, method=method,
-        embeddings=args.embeddings, lm_head=args.lm_head or default["lm_head"], keep=tuple(args.keep),
-        int8_layers=tuple(dict.fromkeys(args.int8_layers)), accuracy_level=args.accuracy_level,
-        calibration_tokens=args.calibration_tokens, seed=args.seed, act_order=args.act_order,
-        int8_fraction=fraction, groups=tuple(args.group),
-        head_int8_rows=_head_rows(args, default), calibration_text=args.calibration_text,
-        kv_dtype=args.kv_dtype or default["kv_dtype"], scales_dtype=args.scales_dtype, block_min=block_min,
-        grid_head_rows=default["grid_head_rows"] if args.lm_head_int8_rows is None and _head_rows(args, default) < 1
-        else None)
+        bits=args.bits, group_size=args.group_size, symmetric=args.symmetric, format=args.format,
+        embeddings=args.embeddings, keep=tuple(args.keep), int8_layers=tuple(dict.fromkeys(args.int8_layers)),
+        accuracy_level=args.accuracy_level, calibration_tokens=args.calibration_tokens, seed=args.seed,
+        act_order=args.act_order, groups=tuple(args.group), calibration_text=args.calibration_text,
+        keep_grids=args.block_min in (None, "auto"), on_grids=on_grids, **chosen)
     options.validate()
     need(options.seed >= 0, f"--seed: expected an integer >= 0, got {options.seed}")
     return options

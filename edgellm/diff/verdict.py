@@ -32,7 +32,7 @@ MB = 1e6
 _NAMES = {"kl": "mean KL", "kl_p99": "p99 KL", "kl_max": "max KL", "top1": "top-1", "top5": "top-5 overlap",
           "ppl_delta": "ΔPPL", "greedy": "greedy agreement", "rel_rms_max": "worst layer rel RMS"}
 _PASSING = {">": "≤", ">=": "<", "<": "≥", "<=": ">"}
-# `edgellm quantize` defaults (quant/options.QuantizeOptions): flags equal to these are left out of commands
+# `edgellm quantize` flags whose defaults do not depend on the profile: equal to these, left out of commands
 _DEFAULTS = {"symmetric": True, "format": "fast", "method": "rtn", "embeddings": "int8", "accuracy_level": 4,
              "calibration_tokens": 512, "seed": 0}
 
@@ -111,9 +111,18 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--group-size", str(group)]
     if options.get("symmetric", True) is False:
         argv.append("--asymmetric")
-    for key in ("format", "method", "embeddings"):  # method "grid": --block-min auto's finding, which it finds again
-        if options.get(key, _DEFAULTS[key]) not in (_DEFAULTS[key], "grid"):
+    for key in ("format", "embeddings"):
+        if options.get(key, _DEFAULTS[key]) != _DEFAULTS[key]:
             argv += [f"--{key}", str(options[key])]
+    # what the CLI's profile would pick depends on the source's weights and the profile (quant/profiles.py), so
+    # the settings it picks are repeated as recorded; method "grid" is `--block-min auto`'s finding, found again
+    method = str(options.get("method", _DEFAULTS["method"]))
+    if method != "grid":
+        argv += ["--method", method]
+        if bits == 4:
+            argv += ["--block-min", str(options.get("block_min", "off"))]
+    if bits == 4:
+        argv += ["--int8-fraction", f"{float(options.get('int8_fraction', 0.0)):g}"]
     head = options.get("lm_head") or ("int4" if bits == 4 else "int8")
     # an int8 head keeps its rows as they were (a manifest from before `--lm-head-int8-rows`: every row int8)
     rows = float(options.get("head_int8_rows", 1.0)) if head == "int8" else None
@@ -125,10 +134,9 @@ def quantize_argv(source: str, out: str, options: dict[str, Any], fix_layers: li
         argv += ["--lm-head-int8-rows", f"{rows:g}"]
     if options.get("kv_dtype"):
         argv += ["--kv-dtype", str(options["kv_dtype"])]
-    if options.get("scales_dtype") not in (None, "auto"):
-        argv += ["--scales-dtype", str(options["scales_dtype"])]
-    if options.get("block_min") == "on" and options.get("method") != "grid":  # asked for (auto finds its own again)
-        argv += ["--block-min", "on"]
+    scales = options.get("scales_dtype", "auto")     # "auto" before --scales-dtype was recorded
+    if bits == 4 or scales != "auto":
+        argv += ["--scales-dtype", str(scales)]
     keep = list(options.get("keep") or [])
     int8 = [int(i) for i in options.get("int8_layers") or []]
     for layer in fix_layers:

@@ -1,0 +1,65 @@
+"""`edgellm quantize --profile`: the settings of the flags a user did not give, chosen on real checkpoints against
+llama.cpp (bench/quant_vs_llamacpp.py, docs/quantization.md).
+
+Two sets per profile: one for float weights (a trained or bf16 checkpoint), and, where `--block-min auto` finds
+every linear already on a llama.cpp grid (a model converted from a GGUF, grids.py), the fields it replaces then
+(`ON_GRIDS`). A flag the user gave wins over both.
+
+--bits 4 (SmolLM2-135M-Instruct moved off its grid, KL against transformers fp32, llama.cpp in the same run):
+- `balanced` (default), llama.cpp Q4_K_M's class: block minima searched by llama.cpp's k-quant search weighted by
+  calibration activations (methods.search_offsets; the offsets' term an 8-bit MatMulNBits), fp16 scales, every row
+  of the table int8 and the 15 % most sensitive linears int8 (mixed.py): KL 0.0859 at 105.0 MB vs Q4_K_M 0.0895 at
+  105.5, decode 1.12-1.29x Q4_K_M's (2026-11-27). Three more nodes per linear: ~0.8x `small`'s decode.
+- `small`, llama.cpp Q4_0's class: AWQ on symmetric blocks, 30 % of the table's rows int8 (headsplit.py): KL 0.184
+  at 89.7 MB vs Q4_0 0.346 at 91.7, decode 1.05-1.31x Q4_0's.
+- On grids (both): the linears kept exactly (method "grid"), 45 % of the table's rows int8 (its int4 rows are most
+  of the error left: Gemma 3 270M KL 0.0110 -> 0.0031 for +11 MB), no int8 fraction (a kept grid holds nothing more
+  to recover), float32 scales (released once packed: less peak RSS).
+--bits 8: AWQ's clip search on float weights (SmolLM2 off its grid 0.0053 vs RTN 0.0066, Q8_0 0.0065); on a grid
+rounded to nearest, which keeps Q8_0 / Q5_0 tensors exactly (Gemma 3: 0.0031 vs AWQ 0.0033, Q8_0 0.0032).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgellm.runtime.errors import need
+
+PROFILES: dict[str, dict[int, dict[str, Any]]] = {
+    "balanced": {4: {"method": "mse", "block_min": "on", "scales_dtype": "float16", "lm_head": "int8",
+                     "head_int8_rows": 1.0, "int8_fraction": 0.15, "kv_dtype": "auto"},
+                 8: {"method": "awq", "block_min": "off", "scales_dtype": "auto", "lm_head": None,
+                     "head_int8_rows": 1.0, "int8_fraction": 0.0, "kv_dtype": "auto"}},
+    "small": {4: {"method": "awq", "block_min": "off", "scales_dtype": "auto", "lm_head": "int8",
+                  "head_int8_rows": 0.3, "int8_fraction": 0.0, "kv_dtype": "auto"}},
+}
+ON_GRIDS: dict[int, dict[str, Any]] = {4: {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"},
+                                       8: {"method": "rtn"}}
+GRID_FIELDS = frozenset(k for d in ON_GRIDS.values() for k in d)   # what QuantizeOptions.on_grids may set
+SYMMETRIC_METHOD = "awq"          # a profile's linears without block minima: AWQ, the best symmetric search here
+OFFSET_METHODS = ("mse", "awq")   # the methods that search block offsets (rtn takes min..max, gptq none)
+
+
+def defaults(bits: int, profile: str, given: dict[str, Any], format: str, symmetric: bool,
+             group_size: int | None) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
+    """(every field of PROFILES with `given`'s values winning, the on-grid replacements of fields not given).
+
+    A profile's block minima need what they are made of (fast format, symmetric codes, blocks) and a method that
+    searches offsets: without (or with --block-min off), its linears are symmetric blocks, by AWQ unless --method
+    was given. A head that cannot be split
+    (int4 / fp32, or portable) has every row of its precision."""
+    need(profile in PROFILES, f"--profile: expected {' or '.join(PROFILES)}, got {profile!r}")
+    need(bits in PROFILES[profile], f"--profile {profile}: only with --bits "
+                                    f"{' or '.join(map(str, PROFILES[profile]))}, got --bits {bits}")
+    out = {**PROFILES[profile][bits], **given}
+    offsets_fit = (format == "fast" and symmetric and group_size != 0 and out["method"] in OFFSET_METHODS)
+    if "block_min" not in given and not offsets_fit:
+        out["block_min"] = "off"
+    if out["block_min"] == "off" and "method" not in given:
+        out["method"] = SYMMETRIC_METHOD
+    splittable = out["lm_head"] == "int8" and format == "fast"
+    if "head_int8_rows" not in given and not splittable:
+        out["head_int8_rows"] = 1.0
+    grids = {k: v for k, v in ON_GRIDS.get(bits, {}).items()
+             if k not in given and (k != "head_int8_rows" or splittable)}
+    return out, tuple(sorted(grids.items()))
