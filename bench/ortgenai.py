@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'        # onnxruntime-genai (bench-only extra)
     python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench] [--rounds 5]
-                             [--llamacpp]
+                             [--llamacpp] [--profile balanced|small]
 
 For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py), the ORT-genai model
 (`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
@@ -67,17 +67,19 @@ def _timed(cmd: list[str], log: Path) -> None:
 
 
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str | None = None,
-                  lm_head: str | None = None) -> Path:
+                  lm_head: str | None = None, profile: str | None = None) -> Path:
     """`edgellm export` (+ `quantize`) with the defaults a user gets (`kv_dtype` None: the fp32 export's fp32
     cache, quantize's fp16 one); else that cache type: float16 `export --kv-dtype float16` (the directories end
     in -kv16), float32 / int8 `quantize --kv-dtype` (the quantized one ends in -kv32 / -kv8). `lm_head`: quantize's
-    `--lm-head` (the quantized directory ends in -head4 / -head8)."""
+    `--lm-head` (the quantized directory ends in -head4 / -head8); `profile`: quantize's `--profile` (-small)."""
     export_kv = "float16" if kv_dtype == "float16" else "float32"
     if kv_dtype is not None:
         out = out.with_name(out.name + {"float16": "-kv16", "float32": "-kv32", "int8": "-kv8"}[kv_dtype])
     fp32 = out.with_name(out.name.replace(f"-{precision}", "-fp32").removesuffix("-kv8").removesuffix("-kv32"))
     if lm_head is not None and precision != "fp32":
         out = out.with_name(f"{out.name}-head{lm_head.removeprefix('int')}")
+    if profile is not None and precision != "fp32":
+        out = out.with_name(f"{out.name}-{profile}")
     rebuilt = rebuild_if_stale(fp32, lambda: _timed(["edgellm", "export", str(hf), "-o", str(fp32), "--max-seq",
                                                      str(max_seq), "--prefill-chunk", "64", "--kv-dtype", export_kv,
                                                      "--no-progress"], fp32.with_suffix(".log")))
@@ -86,6 +88,7 @@ def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: s
     bits = {"int8": "8", "int4": "4"}[precision]
     more = ["--kv-dtype", kv_dtype] if kv_dtype in ("float32", "int8") else []
     more += ["--lm-head", lm_head] if lm_head is not None else []
+    more += ["--profile", profile] if profile is not None else []
     rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, *more,
                                           "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
     return out
@@ -200,6 +203,8 @@ def main() -> None:
     p.add_argument("--lm-head", choices=("int8", "int4"), default=None,
                    help="edgellm quantize --lm-head (default: what a user gets; onnxruntime-genai's int4 has an int4 "
                         "lm_head, g32 at accuracy level 4)")
+    p.add_argument("--profile", choices=("balanced", "small"), default=None,
+                   help="edgellm quantize --profile (default: what a user gets, balanced; small: the Q4_0-class int4)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
@@ -220,7 +225,7 @@ def main() -> None:
         genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
                             args.max_seq)
         export = build_edgellm(hf, args.root / "exp" / f"{name}-{args.precision}", args.precision, args.max_seq,
-                               args.kv_dtype, args.lm_head)
+                               args.kv_dtype, args.lm_head, args.profile)
         gguf = build_gguf(hf, args.root, name, args.precision) if args.llamacpp else None
         systems = ["ort-genai", "edgellm"] + (["edgellm-lone"] if args.lone else []) + (["llama.cpp"] if gguf else [])
         ratios: dict[tuple[str, str, int], list[float]] = {}

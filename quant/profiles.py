@@ -6,16 +6,17 @@ every linear already on a llama.cpp grid (a model converted from a GGUF, grids.p
 (`ON_GRIDS`). A flag the user gave wins over both.
 
 --bits 4 (SmolLM2-135M-Instruct moved off its grid, KL against transformers fp32, llama.cpp in the same run):
-- `balanced` (default), llama.cpp Q4_K_M's class: block minima searched by llama.cpp's k-quant search weighted by
-  calibration activations (methods.search_offsets; the offsets' term an 8-bit MatMulNBits), fp16 scales, every row
-  of the table int8 and the 15 % most sensitive linears int8 (mixed.py): KL 0.0859 at 105.0 MB vs Q4_K_M 0.0895 at
-  105.5, decode 1.12-1.29x Q4_K_M's (2026-11-27). Three more nodes per linear: ~0.8x `small`'s decode.
-- `small`, llama.cpp Q4_0's class: AWQ on symmetric blocks, 30 % of the table's rows int8 (headsplit.py): KL 0.184
-  at 89.7 MB vs Q4_0 0.346 at 91.7, decode 1.05-1.31x Q4_0's.
+- `balanced` (default), llama.cpp Q4_K_M's class: AWQ's scale migration, then block minima by llama.cpp's k-quant
+  search weighted by calibration activations (methods.search_offsets; the offsets' term an 8-bit MatMulNBits), fp16
+  scales, every row of the table int8 and the 15 % most sensitive linears int8 (mixed.py): KL 0.0855 at 105.0 MB vs
+  Q4_K_M 0.0884 at 105.5 (the k-quant search without AWQ's migration 0.0905; AVX2 EPYC, 2026-11-27 22:05). Three
+  more nodes per linear: ~0.8x `small`'s decode.
+- `small`, llama.cpp Q4_0's class: AWQ on symmetric blocks, 30 % of the table's rows int8 (headsplit.py): KL 0.198
+  at 89.7 MB vs Q4_0 0.349 at 91.7.
 - On grids (both): the linears kept exactly (method "grid"), 45 % of the table's rows int8 (its int4 rows are most
   of the error left: Gemma 3 270M KL 0.0110 -> 0.0031 for +11 MB), no int8 fraction (a kept grid holds nothing more
   to recover), float32 scales (released once packed: less peak RSS).
---bits 8: AWQ's clip search on float weights (SmolLM2 off its grid 0.0053 vs RTN 0.0066, Q8_0 0.0065); on a grid
+--bits 8: AWQ's clip search on float weights (SmolLM2 off its grid 0.0055 vs Q8_0 0.0059 at 22:05); on a grid
 rounded to nearest, which keeps Q8_0 / Q5_0 tensors exactly (Gemma 3: 0.0031 vs AWQ 0.0033, Q8_0 0.0032).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 from edgellm.runtime.errors import need
 
 PROFILES: dict[str, dict[int, dict[str, Any]]] = {
-    "balanced": {4: {"method": "mse", "block_min": "on", "scales_dtype": "float16", "lm_head": "int8",
+    "balanced": {4: {"method": "awq", "block_min": "on", "scales_dtype": "float16", "lm_head": "int8",
                      "head_int8_rows": 1.0, "int8_fraction": 0.15, "kv_dtype": "auto"},
                  8: {"method": "awq", "block_min": "off", "scales_dtype": "auto", "lm_head": None,
                      "head_int8_rows": 1.0, "int8_fraction": 0.0, "kv_dtype": "auto"}},

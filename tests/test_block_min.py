@@ -141,11 +141,11 @@ def test_auto_keeps_a_grid_exactly_and_leaves_float_weights_alone(grid_export, t
     # trained-like float weights: no grid, and the --bits 4 profile's settings apply (balanced: k-quant minima)
     code, err, record = _quantize(float_dir, tmp_path / "float-int4", capsys, "--bits", "4")
     assert code == 0 and "--block-min" not in err
-    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "mse")
+    assert (record["options"]["block_min"], record["options"]["method"]) == ("on", "awq")
     assert record["options"]["int8_fraction"] == 0.15 and record["options"]["scales_dtype"] == "float16"
     code, _, record = _quantize(float_dir, tmp_path / "float-min", capsys, "--bits", "4", "--block-min", "on",
                                 "--group", "lm_head=0", "--int8-fraction", "0")   # a per-channel head: no offsets
-    assert code == 0 and record["options"]["method"] == "mse"
+    assert code == 0 and record["options"]["method"] == "awq"
     assert record["weights"]["lm_head.weight"]["block_size"] == 0
     assert all(w["offsets"] for n, w in record["weights"].items() if n.startswith("layers."))
 

@@ -25,8 +25,8 @@ def test_demo_quantizes_to_int8_and_int4_and_runs_every_export(tmp_path, capfd):
     # the exports: fp32 with its stack graph, int8 and int4 block-wise (the defaults), each a readable manifest
     fp32, int8, int4 = (read_manifest(out / n) for n in ("fp32", "int8", "int4"))
     assert fp32.quantization is None and fp32.has_stack
-    # the int4 default (--profile balanced): the k-quant search of block offsets, the most sensitive linears int8
-    assert (int4.quantization["options"]["method"], int4.quantization["options"]["block_min"]) == ("mse", "on")
+    # the int4 default (--profile balanced): AWQ + the k-quant search of block offsets, the most sensitive linears int8
+    assert (int4.quantization["options"]["method"], int4.quantization["options"]["block_min"]) == ("awq", "on")
     for manifest, bits, group in ((int8, 8, INT8_GROUP), (int4, 4, 32)):
         assert manifest.quantization["options"]["bits"] == bits
         weights = manifest.quantization["weights"]

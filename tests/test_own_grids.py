@@ -142,4 +142,4 @@ def test_weights_all_on_8_bit_grids_are_quantized_to_4_bits_as_asked(tmp_path, c
     assert main(["quantize", str(src), "-o", str(tmp_path / "int4"), "--bits", "4", "--no-progress", "--no-check"]) == 0
     assert "--block-min auto" not in capsys.readouterr().err
     o = json.loads((tmp_path / "int4" / "manifest.json").read_text())["quantization"]["options"]
-    assert (o["method"], o["block_min"], o["kept_grids"], o["head_int8_rows"]) == ("mse", "on", [], 1.0)  # balanced
+    assert (o["method"], o["block_min"], o["kept_grids"], o["head_int8_rows"]) == ("awq", "on", [], 1.0)  # balanced

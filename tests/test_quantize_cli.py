@@ -300,7 +300,7 @@ def cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 
 def test_cli_defaults_per_profile() -> None:
-    """quant/profiles.py: --bits 4 balanced (k-quant block minima, fp16 scales, table int8, 15 % int8), small (AWQ,
+    """quant/profiles.py: --bits 4 balanced (AWQ + k-quant block minima, fp16 scales, table int8, 15 % int8), small (AWQ,
     30 % of the table's rows int8), --bits 8 AWQ; all keep grids (`--block-min auto`) with their on-grid settings
     for the flags not given; a flag given wins, and where block minima cannot be, the profile's linears are
     symmetric blocks."""
@@ -311,7 +311,7 @@ def test_cli_defaults_per_profile() -> None:
         return options_from_args(build_parser().parse_args(["quantize", "x", "-o", "y", *flags]))
     b4, s4, o8 = opts("--bits", "4"), opts("--bits", "4", "--profile", "small"), opts("--bits", "8")
     fields = ("method", "block_min", "scales_dtype", "head", "head_int8_rows", "int8_fraction", "group", "keep_grids")
-    assert tuple(getattr(b4, f) for f in fields) == ("mse", "on", "float16", "int8", 1.0, 0.15, 32, True)
+    assert tuple(getattr(b4, f) for f in fields) == ("awq", "on", "float16", "int8", 1.0, 0.15, 32, True)
     assert tuple(getattr(s4, f) for f in fields) == ("awq", "off", "auto", "int8", 0.3, 0.0, 32, True)
     assert tuple(getattr(o8, f) for f in fields) == ("awq", "off", "auto", "int8", 1.0, 0.0, 32, True)
     assert dict(b4.on_grids) == dict(s4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0,
@@ -327,8 +327,7 @@ def test_cli_defaults_per_profile() -> None:
     assert opts("--bits", "4", "--format", "portable").head_int8_rows == 1.0
     assert opts("--bits", "4", "--profile", "small", "--format", "portable").on_grids == (
         ("int8_fraction", 0.0), ("scales_dtype", "auto"))          # no head to split: its rows are not set on grids
-    assert (opts("--bits", "4", "--block-min", "on").method, opts("--bits", "4", "--profile", "small",
-                                                                   "--block-min", "on").method) == ("mse", "awq")
+    assert opts("--bits", "4", "--profile", "small", "--block-min", "on").method == "awq"
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction, small.head_int8_rows) == ("rtn", "int4", 0.0, 1.0)
     assert (b4.groups, opts("--bits", "8", "--group", "layers.*.attn.o=64", "--group", "lm_head=0").groups) == \

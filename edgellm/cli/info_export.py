@@ -31,8 +31,8 @@ def _precision(m: Manifest) -> str:
     fmt = o.get("format", "?")
     kind = "with block minima" if o.get("block_min") == "on" else "sym" if o.get("symmetric", True) else "asym"
     method = o.get("method", "?")
-    if o.get("block_min") == "on" and method == "mse":    # step and offset searched per block (quant/methods.py)
-        kind, method = "with block minima,", "k-quant search"
+    if o.get("block_min") == "on" and method in ("mse", "awq"):   # step and offset searched per block (methods.py)
+        kind, method = "with block minima,", "k-quant search" + (" after AWQ's scale migration" if method == "awq" else "")
     if method == "grid":      # --block-min auto kept every linear on its own grid (quant/grids.py)
         kept = [k for k in o.get("kept_grids") or [] if isinstance(k, list) and len(k) == 4]
         n4 = sum(1 for k in kept if k[1] == 4)

@@ -27,11 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=integer, required=True, metavar="{4,8}", help="4 or 8: bits per linear weight")
     p.add_argument("--profile", default=None, choices=("balanced", "small"),
                    help="the settings of the flags not given (quant/profiles.py). balanced (default): llama.cpp "
-                        "Q4_K_M's class - --bits 4 with block minima searched on calibration activations, fp16 "
-                        "scales, the table and the 15 %% most sensitive linears int8 (SmolLM2-135M: KL 0.086 at "
-                        "105.0 MB vs Q4_K_M 0.090 at 105.5); small (--bits 4): Q4_0's class, smaller and ~1.25x "
-                        "faster to decode - AWQ on symmetric blocks, 30 %% of the table's rows int8 (KL 0.18 at "
-                        "89.7 MB vs Q4_0 0.35 at 91.7)")
+                        "Q4_K_M's class - --bits 4 with block minima searched on calibration activations after "
+                        "AWQ's scale migration, fp16 scales, the table and the 15 %% most sensitive linears int8 "
+                        "(SmolLM2-135M: KL 0.0855 at 105.0 MB vs Q4_K_M 0.0884 at 105.5); small (--bits 4): Q4_0's "
+                        "class, smaller and ~1.25x faster to decode - AWQ on symmetric blocks, 30 %% of the table's "
+                        "rows int8 (KL 0.198 at 89.7 MB vs Q4_0 0.349 at 91.7)")
     p.add_argument("--group-size", type=integer, default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
                         "scale per output channel (default: 32)")
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
     p.add_argument("--method", default=None, metavar="{rtn,mse,awq,gptq}",
-                   help="default: the profile's (--bits 4: mse with block minima, small: awq; --bits 8: awq, rtn where "
+                   help="default: awq (with --block-min: its scale migration, then the k-quant search; --bits 8: rtn where "
                         "the linears lie on llama.cpp grids). rtn: round to nearest; mse: per-group clip search for "
                         "the least squared error (with block minima: llama.cpp's k-quant search); awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
