@@ -38,9 +38,9 @@ BLOCK_SIZES = (0, 16, 32, 64, 128, 256)
 _CHUNK_ELEMENTS = 1 << 22       # work on ~4M weights at a time: bounded memory even for a 150k-row lm_head
 
 
-def row_chunks(n: int, k: int) -> list[slice]:
-    """Row ranges of ~4M elements covering [0, n)."""
-    rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+def row_chunks(n: int, k: int, parts: int = 1) -> list[slice]:
+    """Row ranges of ~4M elements covering [0, n), at least `parts` of them where n allows."""
+    rows = max(1, min(_CHUNK_ELEMENTS // max(k, 1), -(-n // parts)))
     return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 

@@ -107,6 +107,23 @@ def test_the_symmetric_clip_search_refit_never_loses_a_block(stories260k, monkey
         assert len(gains) >= 10 and float(np.mean(gains)) < 0.999, (bits, gains)
 
 
+@pytest.mark.parametrize("scheme", [MIN, Scheme(4, 32, True), Scheme(4, 32, False), Scheme(8, 32, True)])
+def test_rows_searched_in_threads_give_the_same_weight(stories260k, monkeypatch, scheme: Scheme) -> None:
+    """quantize_weight searches row chunks on a thread per core (methods.THREADS): codes, steps, zero points and
+    offsets are byte for byte those of one thread, for every search (k-quant offsets, clip, zero points)."""
+    from edgellm.quant import methods
+
+    w = stories260k.state_dict()["layers.0.mlp.gate_up.weight"].float().numpy()      # [344, 64]: 3 chunks
+    act = np.random.default_rng(5).uniform(0.2, 2.0, w.shape[1]).astype(np.float32)
+    got = []
+    for threads in (1, 3):
+        monkeypatch.setattr(methods, "THREADS", threads)
+        qw = quantize_weight(w, scheme, "mse", act)
+        got.append([a for a in (qw.codes, qw.scales, qw.zero_points, qw.offsets) if a is not None])
+    assert len(methods.row_chunks(w.shape[0], w.shape[1], 3)) == 3
+    assert all(np.array_equal(a, b) for a, b in zip(*got, strict=True))
+
+
 @pytest.fixture(scope="module")
 def stories260k():
     from edgellm.loaders.dispatch import load_checkpoint
