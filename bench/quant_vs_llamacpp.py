@@ -48,8 +48,8 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"],
            # llama.cpp grids where they find them (SmolLM2's Q4_1, Gemma 3's Q4_K_M mix), else quantize float
            # weights by their profile (quant/profiles.py)
            "int4": ["--bits", "4"], "int4 small": ["--bits", "4", "--profile", "small"],
-           # the default with AWQ's scale migration before the k-quant search; with 4x the calibration tokens
-           "int4 awq-min": ["--bits", "4", "--method", "awq"], "int4 cal2k": ["--bits", "4", "--calibration-tokens", "2048"],
+           # the default's k-quant search without AWQ's scale migration before it
+           "int4 mse-min": ["--bits", "4", "--method", "mse"],
            # the small profile on weights that lie on no grid (AWQ, split table), on any model
            "int4 awq": ["--bits", "4", "--profile", "small", "--block-min", "off"],
            # grids kept with the small profile's split head (30 % of the table's rows int8, not the grids' 45 %)

@@ -44,9 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fast: com.microsoft MatMulNBits (onnxruntime); portable: standard DequantizeLinear + "
                         "MatMul (any ONNX runtime; onnxruntime fuses it into the same kernel). Default fast")
     p.add_argument("--method", default=None, metavar="{rtn,mse,awq,gptq}",
-                   help="default: awq (with --block-min: its scale migration, then the k-quant search; --bits 8: rtn where "
-                        "the linears lie on llama.cpp grids). rtn: round to nearest; mse: per-group clip search for "
-                        "the least squared error (with block minima: llama.cpp's k-quant search); awq: activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
+                   help="default: awq (with block minima: its scale migration, then the k-quant search; --bits 8: "
+                        "rtn where the linears lie on llama.cpp grids). rtn: round to nearest; mse: per-group clip "
+                        "search for the least squared error (with block minima: llama.cpp's k-quant search); awq: "
+                        "activation-aware - AWQ's per-channel scale migration (into the RMSNorm "
                         "gains and up rows) and a clip search weighted by activations the fp32 export produces "
                         "on text it samples itself (int4); gptq: GPTQ's error-compensating rounding against each "
                         "linear's Hessian from the same calibration activations")
