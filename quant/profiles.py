@@ -37,7 +37,6 @@ PROFILES: dict[str, dict[int, dict[str, Any]]] = {
 ON_GRIDS: dict[int, dict[str, Any]] = {4: {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"},
                                        8: {"method": "rtn"}}
 GRID_FIELDS = frozenset(k for d in ON_GRIDS.values() for k in d)   # what QuantizeOptions.on_grids may set
-SYMMETRIC_METHOD = "awq"          # a profile's linears without block minima: AWQ, the best symmetric search here
 OFFSET_METHODS = ("mse", "awq")   # the methods that search block offsets (rtn takes min..max, gptq none)
 
 
@@ -46,9 +45,8 @@ def defaults(bits: int, profile: str, given: dict[str, Any], format: str, symmet
     """(every field of PROFILES with `given`'s values winning, the on-grid replacements of fields not given).
 
     A profile's block minima need what they are made of (fast format, symmetric codes, blocks) and a method that
-    searches offsets: without (or with --block-min off), its linears are symmetric blocks, by AWQ unless --method
-    was given. A head that cannot be split
-    (int4 / fp32, or portable) has every row of its precision."""
+    searches offsets: without, its linears are symmetric blocks (by the profile's AWQ unless --method was given).
+    A head that cannot be split (int4 / fp32, or portable) has every row of its precision."""
     need(profile in PROFILES, f"--profile: expected {' or '.join(PROFILES)}, got {profile!r}")
     need(bits in PROFILES[profile], f"--profile {profile}: only with --bits "
                                     f"{' or '.join(map(str, PROFILES[profile]))}, got --bits {bits}")
@@ -56,8 +54,6 @@ def defaults(bits: int, profile: str, given: dict[str, Any], format: str, symmet
     offsets_fit = (format == "fast" and symmetric and group_size != 0 and out["method"] in OFFSET_METHODS)
     if "block_min" not in given and not offsets_fit:
         out["block_min"] = "off"
-    if out["block_min"] == "off" and "method" not in given:
-        out["method"] = SYMMETRIC_METHOD
     splittable = out["lm_head"] == "int8" and format == "fast"
     if "head_int8_rows" not in given and not splittable:
         out["head_int8_rows"] = 1.0
