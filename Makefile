@@ -30,7 +30,7 @@ browser:         ## headless Chromium for the report's browser test (apt-get ins
 
 # -n auto: one worker per core, each test file on one worker (its module fixtures built once)
 test: $(STAMP) browser  ## the whole test suite (what CI runs)
-	$(PYTHON) -m pytest tests -n auto --dist loadfile
+	$(PYTHON) -m pytest tests -n auto --dist loadfile --durations=15
 
 test-fast: $(STAMP) browser  ## the suite without the slow end-to-end tests
 	$(PYTHON) -m pytest tests -m 'not slow'
