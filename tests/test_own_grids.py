@@ -113,6 +113,8 @@ def test_a_q4_k_m_like_mix_comes_back_exactly(mix_export, tmp_path, capsys) -> N
     record = json.loads((out / "manifest.json").read_text())["quantization"]
     o = record["options"]
     assert (o["method"], o["block_min"], o["head_int8_rows"]) == ("grid", "on", 0.45)
+    # the profile's float-weight settings gave way to the grids' own (profiles.ON_GRIDS)
+    assert (o["int8_fraction"], o["scales_dtype"], o["keep_grids"]) == (0.0, "auto", True)
     layers = {n: w for n, w in record["weights"].items() if n.startswith("layers.")}
     assert len(layers) == 8 and all(w["rel_rms_err"] < 1e-6 for w in layers.values())
     assert {(w["bits"], w["block_size"], w["offsets"]) for w in layers.values()} == {
