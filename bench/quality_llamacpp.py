@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -85,10 +86,11 @@ def convert_f32(hf_dir: Path, out: Path, tree: Path, any_tokenizer: bool = False
     return out
 
 
-def f32_from_gguf(src: Path, out: Path) -> Path:
+def f32_from_gguf(src: Path, out: Path, move: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Path:
     """The GGUF with every tensor dequantized to F32 (gguf-py's reference dequantizers) and all its metadata but
     the file type: llama.cpp's F32 starting point when its converter cannot read the HF directory (Gemma's wants
-    tokenizer.model, which a GGUF does not carry). Norm weights stay as the file stores them (Gemma's +1)."""
+    tokenizer.model, which a GGUF does not carry). Norm weights stay as the file stores them (Gemma's +1).
+    move(type name, fp32 tensor) -> the tensor written (quality_source.gguf_off_grid), when given."""
     if out.is_file():
         return out
     import gguf
@@ -106,7 +108,8 @@ def f32_from_gguf(src: Path, out: Path) -> Path:
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+        w = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        writer.add_tensor(t.name, move(t.tensor_type.name, w) if move else w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,14 +96,41 @@ def off_grid(hf_dir: Path, out: Path, seed: int = OFF_GRID_SEED) -> Path:
         if w.ndim == 2 and w.shape[1] % 32 == 0:
             b = w.reshape(-1, 32).astype(np.float64)
             four_bit = max(len(np.unique(x)) for x in b[:64]) <= 16
-            step = (np.ptp(b, axis=1, keepdims=True) / 15 if four_bit
-                    else np.abs(b).max(axis=1, keepdims=True) / 127)
-            w = (b + rng.uniform(-0.5, 0.5, b.shape) * step).reshape(w.shape).astype(np.float32)
+            w = _jitter(w, b, np.ptp(b, axis=1, keepdims=True) / 15 if four_bit
+                        else np.abs(b).max(axis=1, keepdims=True) / 127, rng)
         moved[name] = np.ascontiguousarray(w)
     save_file(moved, partial / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     return out
+
+
+# a GGUF names each tensor's grid: its step per 32 weights from the block's values. Symmetric types put amax at
+# the end of their range (Q8_0 127 steps, Q6_K 32, Q5_0 16); types with a minimum span max - min (2^bits - 1 steps)
+_SYMMETRIC_STEPS = {"Q8_0": 127, "Q6_K": 32, "Q5_0": 16, "Q4_0": 8}
+_SPAN_STEPS = {"Q5_1": 31, "Q5_K": 31, "Q4_1": 15, "Q4_K": 15}
+
+
+def gguf_off_grid(seed: int = OFF_GRID_SEED) -> Callable[[str, np.ndarray], np.ndarray]:
+    """off_grid's rule for a GGUF's tensors in file order (quality_llamacpp.f32_from_gguf's `move`): each 2-D
+    tensor stored on a grid gets +-half its grid's step of uniform noise per 32-weight block, seeded. Gemma 3's
+    Q4_K_M mix holds Q8_0, Q6_K, Q5_0 and Q4_K tensors: each is moved by its own step."""
+    rng = np.random.default_rng(seed)
+
+    def move(kind: str, w: np.ndarray) -> np.ndarray:
+        if w.ndim != 2 or w.shape[1] % 32 or kind not in _SYMMETRIC_STEPS | _SPAN_STEPS:
+            return w
+        b = w.reshape(-1, 32).astype(np.float64)
+        step = (np.abs(b).max(axis=1, keepdims=True) / _SYMMETRIC_STEPS[kind] if kind in _SYMMETRIC_STEPS
+                else np.ptp(b, axis=1, keepdims=True) / _SPAN_STEPS[kind])
+        return np.ascontiguousarray(_jitter(w, b, step, rng))
+
+    return move
+
+
+def _jitter(w: np.ndarray, blocks: np.ndarray, step: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """w [N, K] with each 32-weight block (blocks [N*K/32, 32], float64) moved by uniform(-0.5, 0.5) * its step."""
+    return (blocks + rng.uniform(-0.5, 0.5, blocks.shape) * step).reshape(w.shape).astype(np.float32)
 
 
 def eval_ids(hf_dir: Path, n_tokens: int, text: Path = TEXT) -> dict:

@@ -19,8 +19,9 @@ Q8_0/Q4_0/Q4_K_M by llama-cpp-python's eval loop, edgellm int8/int4 by `edgellm 
 --skip-llamacpp: the transformers and edgellm rows only, against the same reference and ids, without
 llama-cpp-python (written as quality-edgellm.*; llama.cpp's rows are deterministic, so an earlier full run's stand).
 --off-grid: both references come from GGUF quantizations, so their weights lie on llama.cpp grids that `--block-min
-auto` keeps exactly; this moves every 2-D weight off its grid first (quality_source.off_grid), a float checkpoint's
-stand-in on which both tools must quantize (SmolLM2 only: llama.cpp converts the moved HF directory).
+auto` keeps exactly; this moves every 2-D weight off its grid first, a float checkpoint's stand-in on which both
+tools must quantize (SmolLM2: the HF directory, which llama.cpp converts, quality_source.off_grid; Gemma 3: the
+GGUF's tensors, each by its type's step, into llama.cpp's F32 file, which transformers reads, gguf_off_grid).
 """
 
 from __future__ import annotations
@@ -204,9 +205,6 @@ def main() -> None:
                    help="transformers and edgellm rows only (no llama-cpp-python needed)")
     args = p.parse_args()
     model = source.MODELS[args.model]
-    if args.off_grid and not model.llamacpp_converter:
-        sys.exit(f"--off-grid: llama.cpp must convert the moved weights, and its converter cannot start from "
-                 f"{args.model}'s HF directory (expected --model smollm2)")
     default_root = Path("build/bench/quality" + ("" if args.model == "smollm2" else f"-{args.model}")
                         + ("-offgrid" if args.off_grid else ""))
     root = (args.root or default_root).resolve()
@@ -214,13 +212,22 @@ def main() -> None:
 
     log(f"source: {', '.join(model.checkpoint.packages)}")
     gguf = source.source_gguf(model, root)
-    log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
-    hf_dir = source.hf_reference(gguf, root / "hf-fp32")
+    f32 = root / "gguf" / f"{args.model}-f32.gguf"
     label = model.label
     if args.off_grid:
+        label += f", every 2-D weight then moved off its grid by +-half a step of uniform noise (seed {source.OFF_GRID_SEED})"
+    if args.off_grid and not model.llamacpp_converter:
+        # llama.cpp's converter cannot start from this HF directory: the GGUF's tensors are moved (each by its
+        # own type's step) into llama.cpp's F32 file, and transformers reads the reference from that file
+        log(f"source: {gguf.name} -> F32 GGUF, every 2-D weight moved off its grid (seed {source.OFF_GRID_SEED})")
+        llamacpp.f32_from_gguf(gguf, f32, move=source.gguf_off_grid())
+        hf_dir = source.hf_reference(f32, root / "hf-fp32-offgrid")
+    else:
+        log(f"source: {gguf.name} -> fp32 HF directory (kept under --root)")
+        hf_dir = source.hf_reference(gguf, root / "hf-fp32")
+    if args.off_grid and model.llamacpp_converter:
         log(f"source: every 2-D weight moved off its grid (noise seed {source.OFF_GRID_SEED}, kept under --root)")
         hf_dir = source.off_grid(hf_dir, root / "hf-fp32-offgrid")
-        label += f", every 2-D weight then moved off its grid by +-half a step of uniform noise (seed {source.OFF_GRID_SEED})"
     ev = source.eval_ids(hf_dir, args.tokens, args.text)
     (root / "eval_ids.json").write_text(json.dumps(ev))
     log(f"eval: {ev['tokens']} ids of {ev['text']} (sha {ev['sha']}, BOS added: {ev['bos_added']})")
@@ -232,7 +239,6 @@ def main() -> None:
     ggufs: dict[str, Path] = {}
     if not args.skip_llamacpp:
         log("llama.cpp: an F32 GGUF (kept under --root)")
-        f32 = root / "gguf" / f"{args.model}-f32.gguf"
         ggufs["F32"] = (llamacpp.convert_f32(hf_dir, f32, llamacpp.converter(root)) if model.llamacpp_converter
                         else llamacpp.f32_from_gguf(gguf, f32))
         for kind in llamacpp.TYPES:
