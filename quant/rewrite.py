@@ -4,7 +4,7 @@
       fast:      A --MatMulNBits(B_q [N,nb,blob], scales [N,nb], zp?)--> Y  [--Add(C)--> Y]
                  (with the plan's fp16_scales: scales16 [N,nb] float16 --Cast--> scales, a prologue node)
                  block offsets (schemes.Scheme.offsets): Y = MatMulNBits(...) + MatMulNBits(A's block means
-                 [1, S, nb], 8-bit (block * offsets) [nb, N]), the means once per activation (`_Builder.block_means`)
+                 [1, S, nb], 8-bit (block * offsets) [nb, N]), the means once per activation (`Builder.block_means`)
       portable:  B_q [K,N] --DequantizeLinear(scale, zp?)--> B' ;  A --MatMul(B')--> Y  [--Add(C)--> Y]
     Gather(E [V,D] init, ids, axis=0)  (the token embedding; int8 per row only)
       ids --Gather(E_q [V,D] int8)--Cast(float)--[Sub(Cast(Gather(zp [V,1])))]--Mul(Gather(scale [V,1]))--> Y
@@ -29,9 +29,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgellm.runtime.errors import need
 
+from .builder import Builder
 from .methods import QuantSpec
 from .onnxedit import prune_initializers, require_opset
-from .packing import NBitsArrays, pack_nibbles, to_dequantize_linear
+from .packing import NBitsArrays, to_dequantize_linear
 from .plan import (
     DEFAULT_ACCURACY_LEVEL,
     FORMATS,
@@ -59,64 +60,7 @@ class OffsetTerm:
     block: int          # the weight's block, over which A is averaged
 
 
-class _Builder:
-    """Collects new initializers / nodes with graph-unique names."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.taken = {t.name for t in graph.initializer} | {v.name for v in graph.input}
-        self.taken |= {o for n in graph.node for o in n.output}
-        self.inits: list[TensorProto] = []
-        self.prologue: list[onnx.NodeProto] = []    # nodes fed only by initializers (DequantizeLinear)
-        self.sums: dict[tuple[str, int, int], str] = {}  # (activation, K, block) -> its block means
-        self.consts: dict[str, str] = {}                 # small constants shared by the nodes: base -> name
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}.{i}", i + 1
-        self.taken.add(name)
-        return name
-
-    def array(self, base: str, value: np.ndarray) -> tuple[str, int]:
-        name = self.fresh(base)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
-        return name, value.nbytes
-
-    def const(self, base: str, value: np.ndarray) -> str:
-        """A small constant initializer, one per `base` in the graph."""
-        if base not in self.consts:
-            self.consts[base] = self.array(base, value)[0]
-        return self.consts[base]
-
-    def cast_fp16(self, base: str, value: np.ndarray) -> str:
-        """`value` stored float16 and a prologue Cast to float32 (folded when the session is created)."""
-        half = self.array(f"{base}16", value.astype(np.float16))[0]
-        out = self.fresh(base)
-        self.prologue.append(helper.make_node("Cast", [half], [out], name=out, to=TensorProto.FLOAT))
-        return out
-
-    def block_means(self, x: str, k: int, block: int, nodes: list[onnx.NodeProto]) -> str:
-        """The means of x [1, S, K] over each block of K, [1, S, nb]: one AveragePool (kernel = stride = block) per
-        activation, appended to `nodes` the first time, so it precedes every reader. Not Reshape + ReduceSum:
-        onnxruntime's ReduceSum keeps index tables per input shape in every node (SmolLM2-135M int4, 120 nodes:
-        +49 MB RSS after a 64-row prefill, +17 with AveragePool), and is a node more."""
-        key = (x, k, block)
-        if key not in self.sums:
-            need(k % block == 0, f"block offsets need K ({k}) a multiple of the block ({block})")
-            out = self.sums[key] = self.fresh(f"{x}/block_means")
-            nodes.append(helper.make_node("AveragePool", [x], [out], name=out, kernel_shape=[block], strides=[block]))
-        return self.sums[key]
-
-    def int4(self, base: str, values: np.ndarray, signed: bool) -> tuple[str, int]:
-        """A 4-bit ONNX initializer: row-major values packed two per byte, low nibble first."""
-        name = self.fresh(base)
-        packed = pack_nibbles(values.reshape(-1)).tobytes()
-        dtype = TensorProto.INT4 if signed else TensorProto.UINT4
-        self.inits.append(helper.make_tensor(name, dtype, list(values.shape), packed, raw=True))
-        return name, len(packed)
-
-
-def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
+def _nbits_inputs(b: Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
                   ) -> tuple[list[str], int, dict, OffsetTerm | None]:
     """MatMulNBits weight inputs [B, scales, zp?], their bytes, the shape attributes and, for block offsets, the
     offset term."""
@@ -138,7 +82,7 @@ def _nbits_inputs(b: _Builder, name: str, qw: QuantizedWeight, plan: QuantPlan,
     return names, total + size, attrs, term
 
 
-def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: QuantPlan) -> tuple[OffsetTerm, int]:
+def _offset_term(b: Builder, name: str, arr: NBitsArrays, scales: str, plan: QuantPlan) -> tuple[OffsetTerm, int]:
     """The block offsets' term: (A's block means [1, S, nb]) @ (m + 8 s) * block [nb, N] (schemes.offset_term),
     the codes running symmetric, (code - 8) * s. Searched offsets put it on an 8-bit grid (methods.snap_offsets):
     an 8-bit MatMulNBits, which onnxruntime packs once and the runtime releases the mapped pages of (a float MatMul
@@ -164,7 +108,7 @@ def _offset_term(b: _Builder, name: str, arr: NBitsArrays, scales: str, plan: Qu
     return OffsetTerm([b.array(f"{name}.offsets", o)[0]], {}, arr.k, arr.block_size), o.nbytes
 
 
-def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
+def _dq_output(b: Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
     """DequantizeLinear(B_q [K,N]) as a prologue node; returns its output name and the bytes stored."""
     arr = to_dequantize_linear(qw)
     signed = arr.zero_point is None
@@ -181,7 +125,7 @@ def _dq_output(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[str, int]:
     return out, total
 
 
-def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder, offsets: OffsetTerm | None = None,
+def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: Builder, offsets: OffsetTerm | None = None,
                   accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> list[onnx.NodeProto]:
     """`core` computes A @ W^T into the node's output; a Gemm's bias C becomes a following Add, and block
     `offsets` a term (block means of A) @ offsets added before it."""
@@ -207,7 +151,7 @@ def _matmul_nodes(node: onnx.NodeProto, core: onnx.NodeProto, b: _Builder, offse
     return nodes
 
 
-def _gather_tables(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[list[str], int]:
+def _gather_tables(b: Builder, name: str, qw: QuantizedWeight) -> tuple[list[str], int]:
     """Int8 per-row embedding tables [codes [V,D], scale [V,1], zp [V,1]?] and their bytes."""
     s = qw.scheme
     need(s.bits == 8 and s.block_size == 0,
@@ -221,7 +165,7 @@ def _gather_tables(b: _Builder, name: str, qw: QuantizedWeight) -> tuple[list[st
     return [n for n, _ in made], sum(size for _, size in made)
 
 
-def _gather_nodes(node: onnx.NodeProto, tables: list[str], b: _Builder) -> list[onnx.NodeProto]:
+def _gather_nodes(node: onnx.NodeProto, tables: list[str], b: Builder) -> list[onnx.NodeProto]:
     """Gather codes and row scales, then dequantize only the gathered rows."""
     ids, out, p = node.input[1], node.output[0], node.name or node.output[0]
     rows, rows_f, scale = b.fresh(f"{out}/q_rows"), b.fresh(f"{out}/rows"), b.fresh(f"{out}/scale")
@@ -252,7 +196,7 @@ def quantize_model(model: onnx.ModelProto, plan: QuantPlan) -> list[WeightReport
         if hit is not None and not (hit[1] == "rows" and hit[0] in plan.tied):  # tied lookups: quant/tied.py
             uses.setdefault(hit, []).append(i)
 
-    b = _Builder(graph)
+    b = Builder(graph)
     replace: dict[int, list[onnx.NodeProto]] = {}           # node index -> its replacement
     reports: list[WeightReport] = []
     opset_needed = 0
