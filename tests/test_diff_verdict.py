@@ -10,9 +10,10 @@ import pytest
 
 from edgellm.cli import build_parser
 from edgellm.cli.quantize import options_from_args
+from edgellm.diff.fix_command import quantize_argv
 from edgellm.diff.plots import _LABEL_IN, layer_figure_width, tick_step
 from edgellm.diff.report_md import summary_markdown
-from edgellm.diff.verdict import build_verdict, error_layers, quantize_argv
+from edgellm.diff.verdict import build_verdict, error_layers
 
 FLOOR = 1e-3
 
