@@ -27,7 +27,7 @@ from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
 from edgellm.runtime.graphio import dims_from_config, spare_rows
-from edgellm.runtime.manifest import FORMAT_VERSION, MANIFEST, GraphSpec, Manifest
+from edgellm.runtime.manifest import COVER_SINCE, FORMAT_VERSION, MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import TOKENIZER_FILES, copy_tokenizer, tokenizer_kind
 
@@ -73,7 +73,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
-    attention = attention_record(cfg, options.attention, options.granularity)
+    attention = attention_record(cfg, options.attention, options.granularity, options.max_seq)
     # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
     padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
     kv_head_dim = padded if padded != cfg.hd else None
@@ -92,14 +92,18 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
-    spare = spare_rows(options.kv_layout, FORMAT_VERSION)  # fused attention's extra cache row (graphio.py)
+    # a sliding window that covers max_seq makes a full layer of the fused graphs (format 16, graphio.cache_rows)
+    cover = options.kv_layout == "inplace" and any(
+        cfg.window(i) is not None and cfg.window(i) >= options.max_seq for i in range(cfg.n_layers))
+    version = COVER_SINCE if cover else FORMAT_VERSION
+    spare = spare_rows(options.kv_layout, version)  # fused attention's extra cache row (graphio.py)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,
-                            spare, options.kv_dtype)
+                            spare, options.kv_dtype, cover)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
     release_memory()
-    units = plan_units(model, options.granularity, options.kv_layout)
+    units = plan_units(model, options.granularity, options.kv_layout, tuple(dims.ring(i) for i in range(cfg.n_layers)))
     seqs = variant_seqs(options)
     rope = None
     if options.kv_layout == "inplace":  # fused layers: their RoPE tables written once (rewritten on a resume:
@@ -148,7 +152,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         export_options={**options.to_dict(), "attention_impl": attention,
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification=verification, kv_head_dim=kv_head_dim,
-        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype)
+        kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype,
+        format_version=version)
     release_memory()
     e2e = check_end_to_end(parts, partial, manifest, options.seed)
     need(e2e <= options.tolerance, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "

@@ -92,15 +92,17 @@ def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.n
 
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-                opset: int) -> tuple[ir.Model, set[str]]:
+                opset: int, ring: bool = False) -> tuple[ir.Model, set[str]]:
     """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
-    `tables`: `rope_tables(model, max_seq, local)`, the same arrays for every layer and variant.
+    `tables`: `rope_tables(model, max_seq, local)`, the same arrays for every layer and variant. `ring`: the
+    layer's cache is a ring (graphio `Dims.ring`: a sliding layer whose window is shorter than max_seq), attended in
+    standard ops; a sliding layer whose window covers max_seq is a full one here (GroupQueryAttention, its table).
 
     `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
-    window = cfg.window(layer)  # a sliding layer attends over its ring cache with standard ops (fused_ring.py)
+    window = cfg.window(layer) if ring else None  # a ring cache is attended with standard ops (fused_ring.py)
     h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
     hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs
     need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")

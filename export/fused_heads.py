@@ -35,15 +35,22 @@ def rope_in_gqa(cfg: ModelConfig) -> bool:
     return cfg.rotary and not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
 
 
-def attention_record(cfg: ModelConfig, attention: str, granularity: str) -> str:
+def attention_record(cfg: ModelConfig, attention: str, granularity: str, max_seq: int) -> str:
     """How the layers attend, for the manifest's export_options and the export table."""
     if granularity == "model":
         return "standard ONNX ops (traced model graph)"
     if attention == "standard":
         return "standard ONNX ops"
-    if any(cfg.window(i) is not None for i in range(cfg.n_layers)):
+    windows = {cfg.window(i) for i in range(cfg.n_layers)} - {None}
+    if windows and min(windows) < max_seq:
         return ("fused GroupQueryAttention for full layers; sliding-window layers: ring cache written by "
                 "ScatterElements, attention in standard ops")
+    covered = f"; sliding-window layers too (their window {min(windows)} covers max_seq)" if windows else ""
+    return _fused(cfg) + covered
+
+
+def _fused(cfg: ModelConfig) -> str:
+    """How fused GroupQueryAttention takes the positions: RoPE inside or before it, or none."""
     if rope_in_gqa(cfg):
         return "fused GroupQueryAttention, RoPE inside"
     hd, pad = cfg.hd, cache_head_dim(cfg)

@@ -123,8 +123,9 @@ class Unit:
         return (name, file, data, *graph_io(self.role, seq, self.layer, dims))
 
 
-def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> list[Unit]:
-    """Export order: the head before the embedding, whose tied table points into head.data."""
+def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows", rings: tuple[bool, ...] = ()) -> list[Unit]:
+    """Export order: the head before the embedding, whose tied table points into head.data. `rings`: which layers'
+    caches are rings (graphio `Dims.ring`; () = the sliding ones)."""
     n = model.cfg.n_layers
     if granularity == "model":
         return [Unit("model", "model", None, ModelGraph(model), _model_ref(model), ("",))]
@@ -135,13 +136,14 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows") -> lis
                   carried),
              Unit("embed", "embed", None, EmbedGraph(model),
                   lambda x: [model.embed_tokens(x["tokens"], x.get("positions"))], ("embed.", "pos_embed.", "pos_table"))]
-    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout),
+    ring = rings or tuple(model.cfg.window(i) is not None for i in range(n))
+    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout, ring[i]),
                    (f"layers.{i}.", "rotary.", "rotary_local."))
               for i in range(n)]
     return units
 
 
-def _layer_ref(model: Decoder, i: int, kv_layout: str) -> Reference:
+def _layer_ref(model: Decoder, i: int, kv_layout: str, ring: bool) -> Reference:
     def ref(x: dict[str, Tensor]) -> list[Tensor]:
         if kv_layout == "rows":
             return list(model.layers[i](x["hidden"], x["positions"], x[f"past_key.{i}"], x[f"past_value.{i}"],
@@ -156,10 +158,12 @@ def _layer_ref(model: Decoder, i: int, kv_layout: str) -> Reference:
                                   past_v[..., :hd], torch.tensor([start]))
         pad = (0, past_k.shape[-1] - hd)
         caches = [past_k.numpy().copy(), past_v.numpy().copy()]
-        write = write_ring if model.cfg.window(i) is not None else write_rows  # a ring of max_seq rows is linear
+        # a sliding layer whose window covers the cache (format 16) is a full one: its rows past the filled length
+        # are masked by the model's ring formula as never written, so the model reads it as it reads a ring
+        write = write_ring if ring else write_rows  # a ring of max_seq rows is linear
         write(caches[0], F.pad(k, pad).numpy(), start, s)
         write(caches[1], F.pad(v, pad).numpy(), start, s)
-        if model.cfg.window(i) is None:  # fused attention's zero row lands in the row after them (graphio.SPARE_ROWS)
+        if not ring:  # fused attention's zero row lands in the row after them (graphio.SPARE_ROWS)
             for cache in caches:
                 cache[:, :, start + s] = 0
         return [h, *(torch.from_numpy(c) for c in caches)]

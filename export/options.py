@@ -57,9 +57,10 @@ class ExportOptions:
         if cfg is not None:
             need(self.max_seq <= cfg.max_seq_len,
                  f"--max-seq {self.max_seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-            need(self.kv_dtype == "float32" or "sliding" not in (cfg.layer_types or ()),
-                 f"--kv-dtype {self.kv_dtype}: sliding-window layers (their ring caches attend in standard ops) keep "
-                 "float32 caches; export this model with --kv-dtype float32")
+            rings = any(cfg.window(i) is not None and cfg.window(i) < self.max_seq for i in range(cfg.n_layers))
+            need(self.kv_dtype == "float32" or not rings,
+                 f"--kv-dtype {self.kv_dtype}: sliding-window layers shorter than --max-seq (their ring caches attend "
+                 "in standard ops) keep float32 caches; export this model with --kv-dtype float32")
 
     @property
     def tolerance(self) -> float:

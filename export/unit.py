@@ -83,7 +83,8 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
         for seq in variant_seqs(options):
             name, file, _, inputs, outputs = unit.graph(seq, dims)
             if fused:
-                model_ir, names = build_layer(model, unit.layer, seq, tables, inputs, outputs, options.opset)
+                model_ir, names = build_layer(model, unit.layer, seq, tables, inputs, outputs, options.opset,
+                                              dims.ring(unit.layer))
             else:
                 trace_in = example_inputs(inputs, dims, torch.Generator().manual_seed(0), 0)
                 model_ir = trace_graph(unit.module, trace_in, [o.name for o in outputs], options.opset, name)

@@ -43,6 +43,11 @@ class Dims:
     spare: int = 0  # SPARE_ROWS for "inplace" exports of format 10+, else 0
     kv_dtype: str = "float32"  # of the cache tensors (past_* / present_*): KV_DTYPES, float16 since 14, int8 since 15
 
+    def ring(self, layer: int) -> bool:
+        """Whether `layer`'s cache is a ring: fewer rows than a full-attention cache (a sliding-window layer whose
+        window is shorter than max_seq, or any sliding layer before format 16, `cache_rows`)."""
+        return self.layer_rows(layer) < self.max_seq + self.spare
+
     def layer_rows(self, layer: int) -> int:
         """Rows of `layer`'s cache: max_seq (+ the spare row of fused attention), or fewer for a sliding-window
         layer (a ring, runtime/kvcache.py)."""
@@ -81,12 +86,14 @@ def spare_rows(kv_layout: str, format_version: int) -> int:
     return SPARE_ROWS if kv_layout == "inplace" and format_version >= SPARE_SINCE else 0
 
 
-def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0) -> tuple[int, ...]:
+def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover: bool = False) -> tuple[int, ...]:
     """Rows of each layer's cache: max_seq + `spare`, or min(sliding_window + extra, max_seq) for a layer whose
     `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
     ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
-    layers write the chunk's rows before reading the ring (export/fused_ring.py). Configs without the keys
-    (every manifest before format 8) have full layers only."""
+    layers write the chunk's rows before reading the ring (export/fused_ring.py). `cover` (format 16+): a sliding
+    layer whose window covers max_seq (window >= max_seq) never masks a position, so it is a full layer (its own
+    RoPE table still) with a full layer's rows, and the fused export runs it through GroupQueryAttention. Configs
+    without the keys (every manifest before format 8) have full layers only."""
     n = config.get("n_layers")
     types, window = config.get("layer_types"), config.get("sliding_window")
     if types is None or not is_int(n):
@@ -95,11 +102,12 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0) -> tu
          f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
     need("sliding" not in types or (is_int(window) and window > 0),
          "config.sliding_window: expected a positive integer for sliding layers")
-    return tuple(min(window + extra, max_seq) if t == "sliding" else max_seq + spare for t in types)
+    ring = "sliding" in types and not (cover and window >= max_seq)
+    return tuple(min(window + extra, max_seq) if t == "sliding" and ring else max_seq + spare for t in types)
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
-                     prefill_chunk: int = 1, spare: int = 0, kv_dtype: str = "float32") -> Dims:
+                     prefill_chunk: int = 1, spare: int = 0, kv_dtype: str = "float32", cover: bool = False) -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -124,7 +132,7 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", k
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
     pos = config.get("pos_embedding", "rope")
     need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
-    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare)
+    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare, cover)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
                 head_dim, pos != "rope", rows, spare, kv_dtype)
 

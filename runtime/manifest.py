@@ -40,6 +40,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
  15  `kv_dtype` "int8" (`quantize --kv-dtype int8`, quant/kv_int8.py): GroupQueryAttention quantizes the rows it
      writes and dequantizes what it reads, with static symmetric scales per (kv head, channel) held in each layer
      graph; nothing else changed (a reader of 14 refuses 15 by its version, as it would any newer format).
+ 16  a sliding-window layer whose window covers max_seq (sliding_window >= max_seq: the window never masks a
+     position) is a full layer: max_seq + 1 cache rows, GroupQueryAttention with its own RoPE table instead of a
+     ring in standard ops (graphio.cache_rows `cover`; Gemma 3 at max_seq <= 512). Export writes 16 only where
+     this applies (else 14): an older reader refuses such an export by its version, not by a cache shape.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -63,13 +67,14 @@ from .sampling import SamplingParams
 
 FORMAT = "edgellm-export"
 FORMAT_VERSION = 14  # what export writes; quantize writes 15 only for an int8 cache (KV_INT8_SINCE)
-READS = (8, 9, 10, 11, 12, 13, 14, 15)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
+READS = (8, 9, 10, 11, 12, 13, 14, 15, 16)  # the versions this reader accepts (1-7: older edgellm releases, re-export)
 MANIFEST = "manifest.json"
 Granularity = Literal["layer", "model"]  # graphs per layer (+ embed, head, stack) or one model graph
 COLUMNS_SINCE = 12  # the first format with `logit_columns`
 LONE_SINCE = 13  # the first format with a "stack_lone" graph
 KV_DTYPE_SINCE = 14  # the first format with `kv_dtype`
 KV_INT8_SINCE = 15  # the first format whose `kv_dtype` may be "int8"
+COVER_SINCE = 16  # the first format where a sliding window covering max_seq makes a full layer (graphio.cache_rows)
 _MAX_MANIFEST_BYTES = 64 << 20
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"  # a JSON number, for to_json's one-line arrays
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -125,7 +130,8 @@ class Manifest:
     def dims(self) -> Dims:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
         return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk,
-                                spare_rows(self.kv_layout, self.format_version), self.kv_dtype)
+                                spare_rows(self.kv_layout, self.format_version), self.kv_dtype,
+                                self.format_version >= COVER_SINCE)
 
     @property
     def n_layers(self) -> int:
