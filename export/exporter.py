@@ -73,7 +73,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     out = Path(out)
     cfg = model.cfg
     options.validate(cfg)
-    attention = attention_record(cfg, options.attention, options.granularity, options.max_seq)
+    attention = attention_record(cfg, options.attention, options.granularity, options.max_seq, options.sliding_cache)
     # fused layers pad every head to a size GroupQueryAttention takes; the cache rows are that wide (format 7)
     padded = cache_head_dim(cfg) if options.kv_layout == "inplace" else cfg.hd
     kv_head_dim = padded if padded != cfg.hd else None
@@ -95,10 +95,10 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     # a sliding window that covers max_seq makes a full layer of the fused graphs (format 16, graphio.cache_rows)
     cover = options.kv_layout == "inplace" and any(
         cfg.window(i) is not None and cfg.window(i) >= options.max_seq for i in range(cfg.n_layers))
-    version = COVER_SINCE if cover else FORMAT_VERSION
+    version = COVER_SINCE if cover or options.sliding_cache != "ring" else FORMAT_VERSION
     spare = spare_rows(options.kv_layout, version)  # fused attention's extra cache row (graphio.py)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,
-                            spare, options.kv_dtype, cover)
+                            spare, options.kv_dtype, cover, options.sliding_cache)
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
@@ -153,7 +153,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                         "exporter": f"torch.onnx dynamo (torch {torch.__version__})"},
         verification=verification, kv_head_dim=kv_head_dim,
         kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype,
-        format_version=version)
+        sliding_cache=options.sliding_cache, format_version=version)
     release_memory()
     e2e = check_end_to_end(parts, partial, manifest, options.seed)
     need(e2e <= options.tolerance, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "

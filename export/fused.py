@@ -92,11 +92,13 @@ def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.n
 
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-                opset: int, ring: bool = False) -> tuple[ir.Model, set[str]]:
+                opset: int, ring: bool = False, local_window: int = -1) -> tuple[ir.Model, set[str]]:
     """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
     `tables`: `rope_tables(model, max_seq, local)`, the same arrays for every layer and variant. `ring`: the
     layer's cache is a ring (graphio `Dims.ring`: a sliding layer whose window is shorter than max_seq), attended in
-    standard ops; a sliding layer whose window covers max_seq is a full one here (GroupQueryAttention, its table).
+    standard ops; a sliding layer whose window covers max_seq is a full one here (GroupQueryAttention, its table),
+    and one with a full-length cache (`--sliding-cache full`) too, its window the kernel's `local_window` (keys
+    with q - p < window: measured equal to the model's mask, tests/test_gemma3_covered.py); -1: none.
 
     `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
@@ -162,7 +164,8 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     else:
         att, new_k, new_v = _attention(b, p, qkv_in, past_k, past_v, seqlens_k, total_len, rope_in, num_heads=h,
                                        kv_num_heads=kv, scale=float(cfg.scale), do_rotary=rotary,
-                                       rotary_interleaved=interleaved)
+                                       rotary_interleaved=interleaved,
+                                       **({"local_window_size": local_window} if local_window >= 0 else {}))
     # the branch scale goes into o's output columns, or with post-norms (Gemma) into the norm after it
     branch = np.asarray(_branch_scale(block, "ls_attn"), np.float32)
     o_scale = np.float32(1.0) if cfg.post_norms else branch

@@ -35,17 +35,20 @@ def rope_in_gqa(cfg: ModelConfig) -> bool:
     return cfg.rotary and not cfg.xpos and cfg.hd % GQA_ROPE_HEAD_MULTIPLE == 0
 
 
-def attention_record(cfg: ModelConfig, attention: str, granularity: str, max_seq: int) -> str:
+def attention_record(cfg: ModelConfig, attention: str, granularity: str, max_seq: int,
+                     sliding_cache: str = "ring") -> str:
     """How the layers attend, for the manifest's export_options and the export table."""
     if granularity == "model":
         return "standard ONNX ops (traced model graph)"
     if attention == "standard":
         return "standard ONNX ops"
     windows = {cfg.window(i) for i in range(cfg.n_layers)} - {None}
-    if windows and min(windows) < max_seq:
+    if windows and min(windows) < max_seq and sliding_cache == "ring":
         return ("fused GroupQueryAttention for full layers; sliding-window layers: ring cache written by "
                 "ScatterElements, attention in standard ops")
-    covered = f"; sliding-window layers too (their window {min(windows)} covers max_seq)" if windows else ""
+    covered = ("" if not windows else f"; sliding-window layers too (their window {min(windows)} covers max_seq)"
+               if min(windows) >= max_seq else
+               f"; sliding-window layers too (full-length caches, local_window_size {min(windows)})")
     return _fused(cfg) + covered
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import FP16_CACHE_ATOL
+from edgellm.runtime.graphio import FP16_CACHE_ATOL, SLIDING_CACHES
 from edgellm.runtime.manifest import Granularity
 
 Attention = Literal["fused", "standard"]
@@ -32,6 +32,9 @@ class ExportOptions:
     opset: int = 20
     seed: int = 0              # of the verification inputs
     kv_dtype: str = "float32"  # the cache's element type (graphio.KV_DTYPES): float16 halves its bytes (fused only)
+    # sliding-window layers' caches (graphio.SLIDING_CACHES): rings where they hold fewer rows than max_seq, or
+    # full-length caches attended by GroupQueryAttention (faster; the cache as long as a full layer's)
+    sliding_cache: str = "ring"
 
     def validate(self, cfg: ModelConfig | None = None) -> None:
         """EdgeError naming the flag at fault; with `cfg`, also the limits the model sets."""
@@ -54,13 +57,20 @@ class ExportOptions:
                 if self.kv_dtype == "int8" else ""))
         need(self.kv_dtype == "float32" or self.kv_layout == "inplace",
              f"--kv-dtype {self.kv_dtype}: written by the fused layers only (--attention fused, --granularity layer)")
+        need(self.sliding_cache in SLIDING_CACHES,
+             f"--sliding-cache: expected one of {', '.join(SLIDING_CACHES)}, got {self.sliding_cache!r}")
+        need(self.sliding_cache == "ring" or self.kv_layout == "inplace",
+             f"--sliding-cache {self.sliding_cache}: written by the fused layers only (--attention fused, "
+             "--granularity layer)")
         if cfg is not None:
             need(self.max_seq <= cfg.max_seq_len,
                  f"--max-seq {self.max_seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-            rings = any(cfg.window(i) is not None and cfg.window(i) < self.max_seq for i in range(cfg.n_layers))
+            rings = self.sliding_cache == "ring" and any(
+                cfg.window(i) is not None and cfg.window(i) < self.max_seq for i in range(cfg.n_layers))
             need(self.kv_dtype == "float32" or not rings,
                  f"--kv-dtype {self.kv_dtype}: sliding-window layers shorter than --max-seq (their ring caches attend "
-                 "in standard ops) keep float32 caches; export this model with --kv-dtype float32")
+                 "in standard ops) keep float32 caches; export this model with --kv-dtype float32 or "
+                 "--sliding-cache full")
 
     @property
     def tolerance(self) -> float:

@@ -63,6 +63,10 @@ class Dims:
 # them; only the fused layers (kv_layout "inplace") write either: fp16 by casting GroupQueryAttention's inputs to it
 # (export/fused.py), int8 by the kernel itself with static per-channel scales (quant/kv_int8.py)
 KV_DTYPES = ("float32", "float16", "int8")
+# a sliding-window layer's cache (manifest `sliding_cache`, format 16): "ring", only the rows its window reaches
+# where that is fewer than max_seq (attended in standard ops); "full", max_seq + spare rows like a full layer
+# (GroupQueryAttention with local_window_size: faster, the cache as long as a full layer's)
+SLIDING_CACHES = ("ring", "full")
 # how far an fp16 cache may move what a graph computes, relative to max(1, max |output|), in every check that
 # compares it with an fp32 computation (export against PyTorch, the stack against its layer graphs): the cached rows
 # are rounded to fp16 (2^-11 relative; ~1e-3 on the N(0,1) verification inputs), attention reads q, k, v at that
@@ -86,14 +90,17 @@ def spare_rows(kv_layout: str, format_version: int) -> int:
     return SPARE_ROWS if kv_layout == "inplace" and format_version >= SPARE_SINCE else 0
 
 
-def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover: bool = False) -> tuple[int, ...]:
+def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover: bool = False,
+               sliding_cache: str = "ring") -> tuple[int, ...]:
     """Rows of each layer's cache: max_seq + `spare`, or min(sliding_window + extra, max_seq) for a layer whose
     `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
     ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
     layers write the chunk's rows before reading the ring (export/fused_ring.py). `cover` (format 16+): a sliding
     layer whose window covers max_seq (window >= max_seq) never masks a position, so it is a full layer (its own
-    RoPE table still) with a full layer's rows, and the fused export runs it through GroupQueryAttention. Configs
-    without the keys (every manifest before format 8) have full layers only."""
+    RoPE table still) with a full layer's rows, and the fused export runs it through GroupQueryAttention.
+    `sliding_cache` "full" (format 16+, `export --sliding-cache full`): every sliding layer has a full layer's rows,
+    its window applied by GroupQueryAttention's local_window_size. Configs without the keys (every manifest before
+    format 8) have full layers only."""
     n = config.get("n_layers")
     types, window = config.get("layer_types"), config.get("sliding_window")
     if types is None or not is_int(n):
@@ -102,12 +109,15 @@ def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover
          f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
     need("sliding" not in types or (is_int(window) and window > 0),
          "config.sliding_window: expected a positive integer for sliding layers")
-    ring = "sliding" in types and not (cover and window >= max_seq)
+    need(sliding_cache in SLIDING_CACHES,
+         f"sliding_cache: expected one of {', '.join(SLIDING_CACHES)}, got {sliding_cache!r:.40}")
+    ring = "sliding" in types and sliding_cache == "ring" and not (cover and window >= max_seq)
     return tuple(min(window + extra, max_seq) if t == "sliding" and ring else max_seq + spare for t in types)
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
-                     prefill_chunk: int = 1, spare: int = 0, kv_dtype: str = "float32", cover: bool = False) -> Dims:
+                     prefill_chunk: int = 1, spare: int = 0, kv_dtype: str = "float32", cover: bool = False,
+                     sliding_cache: str = "ring") -> Dims:
     """Read the ModelConfig field names from a config dict; head_dim null/absent => dim // n_heads.
 
     `kv_head_dim` (manifest format 7; None: the model's head_dim): the width of a cache row when the graphs pad
@@ -132,7 +142,8 @@ def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", k
          f"kv_head_dim: expected an integer from the model's head_dim {head_dim} to {head_dim + 8}, got {cache!r}")
     pos = config.get("pos_embedding", "rope")
     need(pos in POS_EMBEDDINGS, f"config.pos_embedding: expected one of {', '.join(POS_EMBEDDINGS)}, got {pos!r:.40}")
-    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare, cover)
+    rows = cache_rows(config, max_seq, prefill_chunk - 1 if kv_layout == "inplace" else 0, spare, cover,
+                      sliding_cache)
     return Dims(size("n_layers"), size("n_kv_heads"), cache, size("dim"), size("vocab_size"), max_seq, kv_layout,
                 head_dim, pos != "rope", rows, spare, kv_dtype)
 

@@ -42,8 +42,10 @@ readers accept exactly the versions in READS; older ones get a one-line "re-expo
      graph; nothing else changed (a reader of 14 refuses 15 by its version, as it would any newer format).
  16  a sliding-window layer whose window covers max_seq (sliding_window >= max_seq: the window never masks a
      position) is a full layer: max_seq + 1 cache rows, GroupQueryAttention with its own RoPE table instead of a
-     ring in standard ops (graphio.cache_rows `cover`; Gemma 3 at max_seq <= 512). Export writes 16 only where
-     this applies (else 14): an older reader refuses such an export by its version, not by a cache shape.
+     ring in standard ops (graphio.cache_rows `cover`; Gemma 3 at max_seq <= 512); and `sliding_cache` "ring" |
+     "full" (graphio.SLIDING_CACHES; `export --sliding-cache full`: every sliding layer so, its window applied by
+     GroupQueryAttention's local_window_size). Export writes 16 only where either applies (else 14): an older
+     reader refuses such an export by its version, not by a cache shape.
 
 Graph I/O names and shapes are fixed by `graph_io`; export builds its graphs from it and `read_manifest`
 checks every graph against it, so a mismatch fails at load time with the key at fault, not mid-generation.
@@ -121,6 +123,7 @@ class Manifest:
     kv_cache_rows: tuple[int, ...] | None = None  # each layer's cache rows when some are rings (format 8), else null
     logit_columns: str | None = None             # the head's column -> token id file (format 12), else null
     kv_dtype: str = "float32"                    # the cache's element type (format 14; graphio.KV_DTYPES)
+    sliding_cache: str = "ring"                  # sliding-window layers' caches (format 16; graphio.SLIDING_CACHES)
     format_version: int = FORMAT_VERSION  # what the graphs were written as (< 10: no spare cache row)
 
     def __post_init__(self) -> None:
@@ -131,7 +134,7 @@ class Manifest:
         """The graph sizes, derived once (the fields are frozen; `validate` builds them first)."""
         return dims_from_config(self.config, self.max_seq, self.kv_layout, self.kv_head_dim, self.prefill_chunk,
                                 spare_rows(self.kv_layout, self.format_version), self.kv_dtype,
-                                self.format_version >= COVER_SINCE)
+                                self.format_version >= COVER_SINCE, self.sliding_cache)
 
     @property
     def n_layers(self) -> int:
@@ -202,6 +205,11 @@ class Manifest:
              f"{self.format_version}")
         need(self.kv_dtype != "int8" or self.format_version >= KV_INT8_SINCE,
              f"kv_dtype: 'int8' needs format_version {KV_INT8_SINCE}, this manifest says {self.format_version}")
+        need(self.sliding_cache == "ring" or self.format_version >= COVER_SINCE,
+             f"sliding_cache: {self.sliding_cache!r:.40} needs format_version {COVER_SINCE}, this manifest says "
+             f"{self.format_version}")
+        need(self.sliding_cache == "ring" or self.kv_layout == "inplace",
+             f"sliding_cache: {self.sliding_cache!r:.40} is written by the fused layers only (kv_layout 'inplace')")
         need(self.logit_columns is None or self.granularity == "layer",
              "logit_columns: only a head graph (granularity 'layer') computes its logits in another order")
         rows = self.dims.rows if any(r != self.max_seq for r in self.dims.rows) else None
@@ -238,6 +246,8 @@ class Manifest:
             del fields["logit_columns"]
         if self.format_version < KV_DTYPE_SINCE:  # ("float32": validate)
             del fields["kv_dtype"]
+        if self.format_version < COVER_SINCE:  # ("ring": validate)
+            del fields["sliding_cache"]
         doc = {"format": FORMAT, "format_version": fields.pop("format_version"), **fields}
         try:
             text = json.dumps(doc, indent=2, allow_nan=False)

@@ -8,7 +8,7 @@ from .fileio import FileSpec
 from .graphio import TensorSpec
 from .jsoncheck import check_type, is_int, json_type
 from .jsoncheck import fields as checked
-from .manifest import COLUMNS_SINCE, FORMAT, KV_DTYPE_SINCE, READS, GraphSpec, Manifest
+from .manifest import COLUMNS_SINCE, COVER_SINCE, FORMAT, KV_DTYPE_SINCE, READS, GraphSpec, Manifest
 
 
 def no_constant(name: str) -> None:
@@ -28,6 +28,7 @@ _TOP = {"format": "string", "format_version": "integer", "edgellm_version": "str
         "verification": "object", "kv_head_dim": "integer?", "kv_cache_rows": "array?"}
 _TOP_12 = {**_TOP, "logit_columns": "string?"}
 _TOP_14 = {**_TOP_12, "kv_dtype": "string"}
+_TOP_16 = {**_TOP_14, "sliding_cache": "string"}
 def _tensor(value: object, where: str) -> TensorSpec:
     t = checked(value, _TENSOR, where)
     for i, n in enumerate(t["shape"]):
@@ -55,7 +56,8 @@ def parse(doc: object) -> Manifest:
     if version == 8 and isinstance(doc.get("graphs"), list):
         need(all(not isinstance(g, dict) or g.get("role") != "head" or not g.get("paired") for g in doc["graphs"]),
              "graphs: a paired head needs format_version 9, this manifest says 8")
-    d = checked(doc, _TOP_14 if version >= KV_DTYPE_SINCE else _TOP_12 if version >= COLUMNS_SINCE else _TOP, "")
+    d = checked(doc, _TOP_16 if version >= COVER_SINCE else _TOP_14 if version >= KV_DTYPE_SINCE
+                else _TOP_12 if version >= COLUMNS_SINCE else _TOP, "")
     for name, diff in d["verification"].items():
         check_type(diff, "number", f"verification[{name!r}]")
     fields = {k: v for k, v in d.items() if k != "format"}

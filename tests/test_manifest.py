@@ -169,8 +169,8 @@ def test_inplace_layout_needs_layer_granularity(tmp_path: Path) -> None:
 
 def test_unknown_version_is_rejected_by_name(tmp_path: Path) -> None:
     make_export(tmp_path)
-    edit(tmp_path, lambda d: d.update(format_version=16, brand_new_key=1))
-    rejects(tmp_path, r"manifest\.json: format_version 16 is not supported \(this edgellm reads 8-15; update edgellm\)")
+    edit(tmp_path, lambda d: d.update(format_version=17, brand_new_key=1))
+    rejects(tmp_path, r"manifest\.json: format_version 17 is not supported \(this edgellm reads 8-16; update edgellm\)")
     edit(tmp_path, lambda d: d.update(format="onnx-genai"))
     rejects(tmp_path, "format: expected 'edgellm-export'")
 

@@ -22,7 +22,7 @@ def test_older_formats_get_one_re_export_line(tmp_path: Path, version: int) -> N
     make_export(tmp_path)
     edit(tmp_path, lambda d: (d.update(format_version=version), d.pop("kv_head_dim"), d.pop("eos_ids")))
     rejects(tmp_path, rf"^{re.escape(str(tmp_path / MANIFEST))}: format {version} was written by an older "
-                      r"edgellm; re-export with this version \(reads 8-15\)$")
+                      r"edgellm; re-export with this version \(reads 8-16\)$")
 
 
 def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -> None:
@@ -31,7 +31,7 @@ def test_the_cli_prints_the_re_export_line_and_exits_2(tmp_path: Path, capsys) -
     assert main(["run", str(tmp_path), "--prompt-ids", "1"]) == 2
     err = capsys.readouterr().err
     assert err == (f"edgellm run: error: {tmp_path / MANIFEST}: format 7 was written by an older edgellm; "
-                   "re-export with this version (reads 8-15)\n")
+                   "re-export with this version (reads 8-16)\n")
 
 
 def test_add_bos_round_trips(tmp_path: Path) -> None:

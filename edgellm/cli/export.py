@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-dtype", choices=("float32", "float16"), default="float32",
                         help="the KV cache's element type: float16 halves its bytes (fused layers, full attention "
                              "only; default float32). int8: `edgellm quantize --kv-dtype int8` (calibrated scales)")
+    parser.add_argument("--sliding-cache", choices=("ring", "full"), default="ring",
+                        help="sliding-window layers (Gemma 3): ring keeps only the rows a window reaches (default; "
+                             "a window covering --max-seq makes a full layer anyway); full gives them full-length "
+                             "caches attended by the fused kernel: faster decode, a longer cache, fp16-capable")
     parser.add_argument("--atol", type=number, default=1e-4,
                         help="max |onnxruntime - PyTorch| allowed on any output, relative to the output's scale "
                              "max(1, max |PyTorch|) (default 1e-4; with --kv-dtype float16 at least 4e-3)")
@@ -54,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     # the flags are checked before the (possibly slow) load; the model's own limits after it
     max_seq = args.max_seq if args.max_seq is not None else DEFAULT_MAX_SEQ
     options = ExportOptions(max_seq=max_seq, prefill_chunk=args.prefill_chunk, granularity=args.granularity,
-                            attention=args.attention, atol=args.atol, opset=args.opset, kv_dtype=args.kv_dtype)
+                            attention=args.attention, atol=args.atol, opset=args.opset, kv_dtype=args.kv_dtype,
+                            sliding_cache=args.sliding_cache)
     options.validate()
     # lazy: the weights stay in the checkpoint file and each unit reads its own, so a model larger than
     # memory as float32 still exports (peak ~ the largest unit plus the runtime check, not the whole model)
