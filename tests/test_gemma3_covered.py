@@ -7,6 +7,7 @@ being a ring, greedy speculation runs on them."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -55,8 +56,14 @@ def _assert_greedy_like_transformers(hf, out) -> None:
     assert_exact_speculation(out, prompt_ids() * 2)
 
 
-def test_a_covering_window_exports_full_layers_equal_to_transformers(tmp_path):
-    hf, out = _export(tmp_path, MAX_SEQ)
+@pytest.fixture(scope="module")
+def covered(tmp_path_factory):
+    """A seeded Gemma whose window (64) covers max_seq (64), exported once for this module."""
+    return _export(tmp_path_factory.mktemp("covered"), MAX_SEQ)
+
+
+def test_a_covering_window_exports_full_layers_equal_to_transformers(covered):
+    hf, out = covered
     m = read_manifest(out)
     assert m.format_version == COVER_SINCE
     assert m.kv_cache_rows == (MAX_SEQ + SPARE_ROWS,) * 4          # every layer a full one, with the spare row
@@ -100,8 +107,9 @@ def test_a_window_one_short_of_max_seq_keeps_its_ring(tmp_path):
     assert "ScatterElements" in _ops(out / "layer_0.decode.onnx")
 
 
-def test_an_older_version_on_a_covered_export_fails_on_its_cache_rows(tmp_path):
-    _, out = _export(tmp_path, MAX_SEQ)
+def test_an_older_version_on_a_covered_export_fails_on_its_cache_rows(covered, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(covered[1], out)                                 # edited below: the shared export stays whole
     path = out / "manifest.json"
     doc = json.loads(path.read_text())
     older = {k: v for k, v in doc.items() if k != "sliding_cache"}  # 15 has no such key
