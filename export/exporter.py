@@ -26,7 +26,7 @@ from edgellm.loaders.lazy import Resident, Weights
 from edgellm.model import Decoder
 from edgellm.runtime.errors import need
 from edgellm.runtime.fileio import FileSpec, atomic_dir, describe_files
-from edgellm.runtime.graphio import dims_from_config, spare_rows
+from edgellm.runtime.graphio import dims_from_config, ring_layers, spare_rows
 from edgellm.runtime.manifest import COVER_SINCE, FORMAT_VERSION, MANIFEST, GraphSpec, Manifest
 from edgellm.runtime.sampling import SamplingParams
 from edgellm.runtime.tokenizer import TOKENIZER_FILES, copy_tokenizer, tokenizer_kind
@@ -92,9 +92,10 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     need(parts.model is model, "internal: weights belong to another model")
     model.eval()
     model.set_context_len(options.max_seq)
-    # a sliding window that covers max_seq makes a full layer of the fused graphs (format 16, graphio.cache_rows)
-    cover = options.kv_layout == "inplace" and any(
-        cfg.window(i) is not None and cfg.window(i) >= options.max_seq for i in range(cfg.n_layers))
+    # format 16 where its rules keep fewer rings than 14's (a window covering max_seq, graphio.ring_layers) or
+    # --sliding-cache full is recorded; the fused layers only (the traced layouts' rings of max_seq rows are linear)
+    fused = options.kv_layout == "inplace"
+    cover = fused and ring_layers(cfg.to_dict(), options.max_seq) != ring_layers(cfg.to_dict(), options.max_seq, False)
     version = COVER_SINCE if cover or options.sliding_cache != "ring" else FORMAT_VERSION
     spare = spare_rows(options.kv_layout, version)  # fused attention's extra cache row (graphio.py)
     dims = dims_from_config(cfg.to_dict(), options.max_seq, options.kv_layout, kv_head_dim, options.prefill_chunk,

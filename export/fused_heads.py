@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgellm.model import ModelConfig
+from edgellm.runtime.graphio import ring_layers
 
 # onnxruntime's CPU GroupQueryAttention (1.22 through 1.32, probed: issue 21) takes head sizes that are a multiple
 # of 8, and with its RoPE inside (do_rotary=1) a multiple of 16; its RotaryEmbedding op takes any even size.
@@ -42,14 +43,13 @@ def attention_record(cfg: ModelConfig, attention: str, granularity: str, max_seq
         return "standard ONNX ops (traced model graph)"
     if attention == "standard":
         return "standard ONNX ops"
-    windows = {cfg.window(i) for i in range(cfg.n_layers)} - {None}
-    if windows and min(windows) < max_seq and sliding_cache == "ring":
+    if any(ring_layers(cfg.to_dict(), max_seq, sliding_cache=sliding_cache)):
         return ("fused GroupQueryAttention for full layers; sliding-window layers: ring cache written by "
                 "ScatterElements, attention in standard ops")
-    covered = ("" if not windows else f"; sliding-window layers too (their window {min(windows)} covers max_seq)"
-               if min(windows) >= max_seq else
-               f"; sliding-window layers too (full-length caches, local_window_size {min(windows)})")
-    return _fused(cfg) + covered
+    window = cfg.sliding_window if cfg.layer_types and "sliding" in cfg.layer_types else None
+    sliding = ("" if window is None else f"; sliding-window layers too (their window {window} covers max_seq)"
+               if window >= max_seq else f"; sliding-window layers too (full-length caches, local_window_size {window})")
+    return _fused(cfg) + sliding
 
 
 def _fused(cfg: ModelConfig) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from edgellm.model import ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import FP16_CACHE_ATOL, SLIDING_CACHES
+from edgellm.runtime.graphio import FP16_CACHE_ATOL, SLIDING_CACHES, ring_layers
 from edgellm.runtime.manifest import Granularity
 
 Attention = Literal["fused", "standard"]
@@ -65,8 +65,7 @@ class ExportOptions:
         if cfg is not None:
             need(self.max_seq <= cfg.max_seq_len,
                  f"--max-seq {self.max_seq} exceeds the model's max_seq_len {cfg.max_seq_len}")
-            rings = self.sliding_cache == "ring" and any(
-                cfg.window(i) is not None and cfg.window(i) < self.max_seq for i in range(cfg.n_layers))
+            rings = any(ring_layers(cfg.to_dict(), self.max_seq, sliding_cache=self.sliding_cache))
             need(self.kv_dtype == "float32" or not rings,
                  f"--kv-dtype {self.kv_dtype}: sliding-window layers shorter than --max-seq (their ring caches attend "
                  "in standard ops) keep float32 caches; export this model with --kv-dtype float32 or "

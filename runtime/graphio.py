@@ -44,8 +44,9 @@ class Dims:
     kv_dtype: str = "float32"  # of the cache tensors (past_* / present_*): KV_DTYPES, float16 since 14, int8 since 15
 
     def ring(self, layer: int) -> bool:
-        """Whether `layer`'s cache is a ring: fewer rows than a full-attention cache (a sliding-window layer whose
-        window is shorter than max_seq, or any sliding layer before format 16, `cache_rows`)."""
+        """Whether `layer`'s cache is a ring the fused graph attends in standard ops (`ring_layers`): fewer rows
+        than a full-attention cache. (KVCache.ring asks another question, fewer rows than max_seq: how rows are
+        written; a ring of max_seq rows is written like a linear cache.)"""
         return self.layer_rows(layer) < self.max_seq + self.spare
 
     def layer_rows(self, layer: int) -> int:
@@ -90,29 +91,36 @@ def spare_rows(kv_layout: str, format_version: int) -> int:
     return SPARE_ROWS if kv_layout == "inplace" and format_version >= SPARE_SINCE else 0
 
 
-def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover: bool = False,
-               sliding_cache: str = "ring") -> tuple[int, ...]:
-    """Rows of each layer's cache: max_seq + `spare`, or min(sliding_window + extra, max_seq) for a layer whose
-    `layer_types` entry is "sliding" (Gemma 3): it never attends further back than its window, so its cache is a
-    ring of that many rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace", whose fused
-    layers write the chunk's rows before reading the ring (export/fused_ring.py). `cover` (format 16+): a sliding
-    layer whose window covers max_seq (window >= max_seq) never masks a position, so it is a full layer (its own
-    RoPE table still) with a full layer's rows, and the fused export runs it through GroupQueryAttention.
-    `sliding_cache` "full" (format 16+, `export --sliding-cache full`): every sliding layer has a full layer's rows,
-    its window applied by GroupQueryAttention's local_window_size. Configs without the keys (every manifest before
-    format 8) have full layers only."""
+def ring_layers(config: dict, max_seq: int, cover: bool = True, sliding_cache: str = "ring") -> tuple[bool, ...]:
+    """Which layers keep a ring cache — the one rule export, the manifest and the runtime's sizes share: a layer
+    whose `layer_types` entry is "sliding" (Gemma 3) never attends further back than its window, so under
+    `sliding_cache` "ring" its cache holds only the rows the window reaches; `cover` (format 16+): unless the window
+    covers max_seq (window >= max_seq), where it never masks a position and the layer is a full one (its own RoPE
+    table still, GroupQueryAttention in the fused export). `sliding_cache` "full" (format 16+, `export
+    --sliding-cache full`): no rings, the window applied by GroupQueryAttention's local_window_size. () for configs
+    without the keys (every manifest before format 8): full layers only."""
     n = config.get("n_layers")
     types, window = config.get("layer_types"), config.get("sliding_window")
     if types is None or not is_int(n):
         return ()
-    need(isinstance(types, list) and len(types) == n and all(t in ("full", "sliding") for t in types),
+    need(isinstance(types, list | tuple) and len(types) == n and all(t in ("full", "sliding") for t in types),
          f"config.layer_types: expected {n} entries of 'full' or 'sliding'")
     need("sliding" not in types or (is_int(window) and window > 0),
          "config.sliding_window: expected a positive integer for sliding layers")
     need(sliding_cache in SLIDING_CACHES,
          f"sliding_cache: expected one of {', '.join(SLIDING_CACHES)}, got {sliding_cache!r:.40}")
-    ring = "sliding" in types and sliding_cache == "ring" and not (cover and window >= max_seq)
-    return tuple(min(window + extra, max_seq) if t == "sliding" and ring else max_seq + spare for t in types)
+    kept = sliding_cache == "ring" and not (cover and window >= max_seq)
+    return tuple(t == "sliding" and kept for t in types)
+
+
+def cache_rows(config: dict, max_seq: int, extra: int = 0, spare: int = 0, cover: bool = False,
+               sliding_cache: str = "ring") -> tuple[int, ...]:
+    """Rows of each layer's cache: max_seq + `spare`, or for a ring (`ring_layers`) min(sliding_window + extra,
+    max_seq), position p in row p % rows (runtime/kvcache.py). `extra`: prefill_chunk - 1 for kv_layout "inplace",
+    whose fused layers write the chunk's rows before reading the ring (export/fused_ring.py)."""
+    window = config.get("sliding_window")
+    return tuple(min(window + extra, max_seq) if ring else max_seq + spare
+                 for ring in ring_layers(config, max_seq, cover, sliding_cache))
 
 
 def dims_from_config(config: dict, max_seq: int, kv_layout: KVLayout = "rows", kv_head_dim: int | None = None,
