@@ -16,9 +16,11 @@ VM's speed drifts by 10-20 % over minutes, so one pair of runs can land anywhere
 `--llamacpp` adds llama.cpp in the same rotation (llama-cpp-python, bench extra): the checkpoint converted by its
 sdist's convert_hf_to_gguf.py and quantized by llama.cpp itself (fp32: f32, int8: Q8_0, int4: Q4_0), decoded
 greedily by bench/quality_llamacpp.py's eval loop (one Python call per token) in a child process of its own.
-`--lone` adds edgellm once more as "edgellm-lone" (`edgellm bench --exact-decode off`: the export's lone-row stack,
-what a sampled `edgellm run` decodes with; greedy here like every system, its tokens then not bit for bit
-speculation's): the price of exact greedy speculation, measured beside the peers.
+The "edgellm" row decodes through the stack a greedy `edgellm run` opens on this machine (`--exact-decode auto`:
+the spare-row stack where its verification rows are exact here, the lone-row one where this CPU's kernels make
+them differ anyway). `--lone` adds edgellm once more as "edgellm-lone" (`edgellm bench --exact-decode off`: the
+lone-row stack, what a sampled `edgellm run` decodes with; greedy here like every system, its tokens then not bit
+for bit speculation's): the price of exact greedy speculation, measured beside the peers.
 Timings of the edgellm export and quantize steps are printed when they run.
 """
 
@@ -165,7 +167,9 @@ def edgellm_rows(export: Path, contexts: list[int], new_tokens: int, runs: int, 
         ["edgellm", "bench", str(export), "--json", "--threads", str(threads), "--runs", str(runs), "--new-tokens",
          str(new_tokens), "--contexts", ",".join(map(str, contexts)), "--max-other-load", str(max_load),
          "--speculative", "off",  # plain decoding, as the peers run here (speculation: bench/speculative_race.py)
-         "--exact-decode", "off" if lone else "on"],
+         # auto: the stack a greedy `edgellm run` decodes through here (the spare-row one where this CPU's rows are
+         # exact, else the lone-row one: edgellm/cli/speculation.py)
+         "--exact-decode", "off" if lone else "auto"],
         capture_output=True, text=True, check=True).stdout)
     rows = []
     for r in out["rows"]:

@@ -23,7 +23,8 @@ Speculative decoding (`speculate("lookup")`, or a draft export; runtime/speculat
 are computed, not which: greedy picks plain decoding's tokens (bit for bit on exports whose verification rows are
 decode steps, `Engine.exact_rows`: fused layers, format 10), sampling keeps the distribution, and
 `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run` turns lookup on
-where `exact_rows` holds and `speculative.rows_exact_here` measures it so on this CPU: `--speculative auto`). A
+where `exact_rows` holds and `speculative.rows_exact_here` measures it so on this CPU, once per export and machine:
+`--speculative auto`, rows_memo.py, edgellm/cli/speculation.py). A
 Generator that only samples can open the export's lone-row stack (`config=SessionConfig(exact=False)`, format 13:
 8-27 % faster decode; `exact_rows` is then False), as the CLI does for temperature > 0; an int8-cache export
 (format 15) opens it always, its rows being exact (variant.LONE_EXACT).

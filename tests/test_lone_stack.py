@@ -168,7 +168,7 @@ def test_the_cli_samples_through_it_and_decodes_greedy_exactly(fp32: Path, capsy
     assert main(["run", str(fp32), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--temperature", "0",
                  "--exact-decode", "off", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"].get("speculative") is None
-    from edgellm.cli.run import exact_decode
+    from edgellm.cli.speculation import exact_decode
     from edgellm.runtime.generator import Generator
     exact = exact_decode("auto", float(temperature))
     assert Generator.open(fp32, config=SessionConfig(exact=exact)).engine.stack_role == stack

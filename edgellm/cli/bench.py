@@ -16,17 +16,8 @@ import json
 from pathlib import Path
 
 from . import integer, integers, number
-from .run import (
-    PREFILL_WEIGHTS,
-    add_exact_flag,
-    add_pool_flag,
-    add_prefill_weights_flag,
-    add_speculative_flags,
-    exact_decode,
-    note_no_lone_stack,
-    shared_pool,
-    speculate,
-)
+from .run import PREFILL_WEIGHTS, add_pool_flag, add_prefill_weights_flag, shared_pool
+from .speculation import add_exact_flag, add_speculative_flags, note_no_lone_stack, open_generator, speculate
 
 JSON_SCHEMA = "edgellm-bench"
 JSON_VERSION = 1
@@ -66,7 +57,7 @@ def _contexts(args: argparse.Namespace, max_seq: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from edgellm.cli.bench_measure import bench_edgellm, bench_torch, format_table, ratios
     from edgellm.runtime.errors import need
-    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.manifest import read_manifest
     from edgellm.runtime.session import SessionConfig
     from edgellm.runtime.stats import huge_pages_mb
 
@@ -74,13 +65,13 @@ def run(args: argparse.Namespace) -> int:
     need(args.new_tokens >= 2, f"--new-tokens: expected an integer >= 2, got {args.new_tokens}")
     need(args.vs_torch is None or args.vs_torch.exists(), f"--vs-torch: {args.vs_torch} not found")
     config = SessionConfig(threads=args.threads, prepack_prefill=PREFILL_WEIGHTS[args.prefill_weights],
-                           shared_pool=shared_pool(args.thread_pool, "bench"),
-                           exact=exact_decode(args.exact_decode, 0.0))  # greedy
+                           shared_pool=shared_pool(args.thread_pool, "bench"))
     config.validate()
-    gen = Generator.open(args.directory, config=config)
+    # greedy, through the stack a greedy `edgellm run` (--speculative auto) opens, whatever --speculative says here
+    gen, known = open_generator(args.directory, read_manifest(args.directory), config, args.exact_decode, 0.0, "auto")
     note_no_lone_stack(gen.manifest, args.exact_decode, args.directory)
     stack = gen.engine.stack_role if gen.engine.stacked else None  # which stack decodes: "stack" or "stack_lone"
-    speculate(gen, args, config)  # the prompts are random ids: lookup shows its cost where nothing repeats
+    speculate(gen, args, config, known=known)  # the prompts are random ids: lookup shows its cost where nothing repeats
     max_seq = gen.manifest.max_seq
     contexts = _contexts(args, max_seq)
     rows = bench_edgellm(gen, contexts, args.new_tokens, args.runs, args.max_other_load)

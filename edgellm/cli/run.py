@@ -16,12 +16,12 @@ instruct models carry it); with `--interactive` the conversation carries over, i
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from . import integer, number
+from .speculation import add_exact_flag, add_speculative_flags, note_no_lone_stack, open_generator, speculate
 
 JSON_SCHEMA = "edgellm-run"
 JSON_VERSION = 2
@@ -63,68 +63,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the sha256 check of the export's files (sizes are still checked)")
     p.set_defaults(func=run)
-
-
-def add_speculative_flags(p: argparse.ArgumentParser, default: str = "auto") -> None:
-    from edgellm.runtime.draft_length import DRAFT_TOKENS
-
-    p.add_argument("--speculative", choices=("auto", "off", "lookup", "draft"), default=default,
-                   help="speculative decoding, faster where the answer repeats its context: lookup drafts from the "
-                        "context (prompt lookup), draft runs --draft DIR as the drafter; adaptive, so text that "
-                        "repeats nothing decodes at plain speed. auto: lookup where a verification computes every "
-                        "row bit for bit as a decode step does (fused layers with the stack, the default export "
-                        "layout, fp32 and quantized alike: greedy gives plain decoding's tokens) and, when "
-                        "sampling, through the lone-row stack too (rejection sampling), else off "
-                        "(default " + default + ")")
-    p.add_argument("--draft", type=Path, metavar="DIR", help="with --speculative draft: a smaller export with the "
-                                                               "same tokenizer")
-    p.add_argument("--draft-tokens", type=integer, default=DRAFT_TOKENS, metavar="K",
-                   help=f"at most this many drafts per verification; fewer where draft rows cost more than they win "
-                        f"(default {DRAFT_TOKENS})")
-
-
-def add_exact_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--exact-decode", choices=("auto", "on", "off"), default="auto",
-                   help="on: each decode step computes its row exactly as a speculative verification does (the "
-                        "export's spare attention row), so greedy speculation keeps plain decoding's tokens; off: "
-                        "the stack without that row (format 13 exports), 8-27%% faster decode, not bit for bit a "
-                        "verification row (auto speculation then stays off for greedy decoding); auto (default): on for "
-                        "greedy decoding, off when sampling (rejection sampling keeps the distribution either way)")
-
-
-def exact_decode(choice: str, temperature: float) -> bool:
-    """--exact-decode -> SessionConfig.exact: auto is on for greedy (temperature 0) only."""
-    return choice == "on" or (choice == "auto" and temperature == 0)
-
-
-def note_no_lone_stack(manifest, choice: str, directory: Path) -> None:
-    """`--exact-decode off` asked for a lone-row stack the export does not have (format 12 or older): say so."""
-    if choice == "off" and manifest.has_stack and not manifest.has_lone_stack:
-        print(f"[--exact-decode off: {directory} (format {manifest.format_version}) has no lone-row stack; "
-              "decoding with the exact one. Quantize or export it again with this edgellm for one]", file=sys.stderr)
-
-
-def speculate(gen, args: argparse.Namespace, config, sampled: bool = False) -> None:
-    """Apply --speculative / --draft / --draft-tokens to an opened Generator. auto: for a `sampled` run, lookup
-    wherever the stack verifies rows in one call (the lone-row stack too: rejection sampling keeps the
-    distribution whatever the rows' last bits); for greedy, lookup where a verification row is bit for bit a
-    decode step — built so (`Engine.exact_rows`) and measured so on this machine (`rows_exact_here`: a few rows,
-    once) — so greedy keeps plain decoding's tokens; else off (with a note when only this CPU's kernels are why)."""
-    mode = args.speculative
-    if mode == "auto":
-        engine = gen.engine
-        if sampled:
-            mode = "lookup" if engine.any_rows else "off"
-        else:
-            from edgellm.runtime.speculative import rows_exact_here
-
-            exact, diff = rows_exact_here(engine) if engine.exact_rows else (False, 0.0)
-            mode = "lookup" if exact else "off"
-            if engine.exact_rows and not exact:
-                print(f"[--speculative auto: off: on this CPU a verification row differs from a decode step by "
-                      f"{diff:.2g} (its kernels compute one row and several differently), so greedy speculation "
-                      "could change the text at a near-tie; --speculative lookup uses it anyway]", file=sys.stderr)
-    gen.speculate(mode, args.draft, args.draft_tokens, config)
 
 
 def add_pool_flag(p: argparse.ArgumentParser, verb: str) -> None:
@@ -178,7 +116,7 @@ def _params(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from edgellm.runtime.errors import need
-    from edgellm.runtime.generator import Generator, export_sampling
+    from edgellm.runtime.generator import export_sampling
     from edgellm.runtime.manifest import read_manifest
     from edgellm.runtime.sampling import SamplingParams
     from edgellm.runtime.session import SessionConfig
@@ -203,10 +141,10 @@ def run(args: argparse.Namespace) -> int:
     manifest = read_manifest(args.directory, verify=args.verify)
     # the export's defaults under the flags given; checked by generate, before the first token
     sampling = SamplingParams(**{**export_sampling(args.directory, manifest).to_dict(), **given})
-    config = dataclasses.replace(config, exact=exact_decode(args.exact_decode, sampling.temperature))
-    gen = Generator(args.directory, manifest, config)
+    gen, known = open_generator(args.directory, manifest, config, args.exact_decode, sampling.temperature,
+                                args.speculative)
     note_no_lone_stack(manifest, args.exact_decode, args.directory)
-    speculate(gen, args, config, sampled=sampling.temperature != 0)
+    speculate(gen, args, config, sampled=sampling.temperature != 0, known=known)
     if args.chat:
         gen.check_chat()  # once, not per line
         return _chat(gen, sampling, stop, args)
