@@ -55,6 +55,9 @@ EDGELLM = {"fp32": None, "int8": ["--bits", "8"],
            "int4 awq": ["--bits", "4", "--profile", "small", "--block-min", "off"],
            # grids kept with the small profile's split head (30 % of the table's rows int8, not the grids' 45 %)
            "int4 rows30": ["--bits", "4", "--profile", "small", "--lm-head-int8-rows", "0.3"],
+           # the small profile with fewer int8 rows in the head: the head's bytes are much of a decode step's
+           "int4 small rows10": ["--bits", "4", "--profile", "small", "--lm-head-int8-rows", "0.1"],
+           "int4 small head4": ["--bits", "4", "--profile", "small", "--lm-head", "int4"],
            # the default before the head split: every row of the table int8
            "int4 table8": ["--bits", "4", "--profile", "small", "--lm-head-int8-rows", "1", "--scales-dtype", "float16", "--block-min", "off"],
            # the Q4_0 layout (int4 g32 linears, int8 table) rounded to nearest: what AWQ adds over it
