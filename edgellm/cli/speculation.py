@@ -70,7 +70,10 @@ def open_generator(directory: Path, manifest, config, choice: str, temperature: 
     gen = Generator(directory, manifest, dataclasses.replace(config, exact=exact))
     if key is None or known is not None or not gen.engine.exact_rows:
         return gen, known
-    known = Verdict(*rows_exact_here(gen.engine))
+    exact_here, diff = rows_exact_here(gen.engine)
+    if diff == float("inf"):  # a cache too short to probe (a few rows): nothing to remember, nothing to draft on
+        return gen, None
+    known = Verdict(exact_here, diff)
     remember(key, known, directory)
     lone = dataclasses.replace(config, exact=False)
     if exact and not known.exact and choice == "auto" and stack_role(manifest, lone) != gen.engine.stack_role:
