@@ -92,7 +92,8 @@ def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: s
     more += ["--lm-head", lm_head] if lm_head is not None else []
     more += ["--profile", profile] if profile is not None else []
     rebuild_if_stale(out, lambda: _timed(["edgellm", "quantize", str(fp32), "-o", str(out), "--bits", bits, *more,
-                                          "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt)
+                                          "--no-progress"], out.with_suffix(".log")), source_rebuilt=rebuilt,
+                     quantize_flags=["--bits", bits, *more])
     return out
 
 

@@ -146,7 +146,7 @@ def build_edgellm(hf_dir: Path, root: Path, max_seq: int, only: list[str]) -> di
         stamp = out[name].with_suffix(".flags")          # the flags it was built with: rebuilt when they change
         changed = not stamp.is_file() or stamp.read_text() != " ".join(flags)
         rebuild_if_stale(out[name], lambda o=out[name], f=flags: edgellm(
-            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt or changed)
+            ["quantize", str(fp32), "-o", str(o), *f, "--no-check", "--no-progress"]), rebuilt or changed, flags)
         stamp.write_text(" ".join(flags))
     return out
 

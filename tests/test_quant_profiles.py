@@ -13,13 +13,13 @@ def opts(*flags: str):
 
 def test_cli_defaults_per_profile() -> None:
     """quant/profiles.py: --bits 4 balanced (AWQ + k-quant block minima, fp16 scales, table int8, 15 % int8), small (AWQ,
-    30 % of the table's rows int8), --bits 8 AWQ; all keep grids (`--block-min auto`) with their on-grid settings
+    10 % of the table's rows int8), --bits 8 AWQ; all keep grids (`--block-min auto`) with their on-grid settings
     for the flags not given; a flag given wins, and where block minima cannot be, the profile's linears are
     symmetric blocks."""
     b4, s4, o8 = opts("--bits", "4"), opts("--bits", "4", "--profile", "small"), opts("--bits", "8")
     fields = ("method", "block_min", "scales_dtype", "head", "head_int8_rows", "int8_fraction", "group", "keep_grids")
     assert tuple(getattr(b4, f) for f in fields) == ("awq", "on", "float16", "int8", 1.0, 0.15, 32, True)
-    assert tuple(getattr(s4, f) for f in fields) == ("awq", "off", "auto", "int8", 0.3, 0.0, 32, True)
+    assert tuple(getattr(s4, f) for f in fields) == ("awq", "off", "auto", "int8", 0.1, 0.0, 32, True)
     assert tuple(getattr(o8, f) for f in fields) == ("awq", "off", "auto", "int8", 1.0, 0.0, 32, True)
     assert dict(b4.on_grids) == dict(s4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0,
                                                       "scales_dtype": "auto"}

@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Q4_K_M's class - --bits 4 with block minima searched on calibration activations after "
                         "AWQ's scale migration, fp16 scales, the table and the 15 %% most sensitive linears int8 "
                         "(SmolLM2-135M: KL 0.0855 at 105.0 MB vs Q4_K_M 0.0884 at 105.5); small (--bits 4): Q4_0's "
-                        "class, smaller and ~1.25x faster to decode - AWQ on symmetric blocks, 30 %% of the table's "
-                        "rows int8 (KL 0.198 at 89.7 MB vs Q4_0 0.349 at 91.7)")
+                        "class, smaller and ~1.25x faster to decode - AWQ on symmetric blocks, 10 %% of the table's "
+                        "rows int8 (KL 0.213 at 87.2 MB vs Q4_0 0.349 at 91.7)")
     p.add_argument("--group-size", type=integer, default=None, metavar="N",
                    help="weights per scale along the input dimension: 32, 64, 128 (also 16, 256), or 0 = one "
                         "scale per output channel (default: 32)")
@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lm-head-int8-rows", type=number, default=None, metavar="F",
                    help="--bits 4, int8 lm_head: only this fraction of its vocabulary rows int8, those carrying "
                         "the probability on calibration text; the rest int4 (default 1: every row int8; --profile small "
-                        "0.3; 0.45 where --block-min auto keeps the linears' grids)")
+                        "0.1; 0.45 where --block-min auto keeps the linears' grids)")
     p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
                    help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
                         "with a float32 cache: half its bytes, quality within noise, decode a few %% slower at short contexts and "
