@@ -42,6 +42,16 @@ def tiny_model(preset: str, seed: int = 0, **over) -> Decoder:
     return model.eval()
 
 
+def default_export(out: Path) -> Path:
+    """`out`: the default export (fused layers, stack and lone-row stack) of tiny_model("llama2", seed=0), max_seq 64,
+    prefill chunk 8."""
+    from edgellm.export import ExportOptions, export_model
+
+    export_model(tiny_model("llama2", seed=0), out, ExportOptions(max_seq=64, prefill_chunk=8), progress=False,
+                 log=lambda _: None)
+    return out
+
+
 def onnx_generate_logits(directory: Path, tokens: Sequence[int], steps: int = 0,
                          config: SessionConfig | None = None) -> tuple[np.ndarray, list[int]]:
     """The runtime's Engine (layer graphs, not the stack, unless `config` says otherwise) feeds `tokens` as one

@@ -15,7 +15,6 @@ import onnx
 import pytest
 
 from edgellm.cli import main
-from edgellm.export import ExportOptions, export_model
 from edgellm.layout.lone import is_spare_row_node, lone_rows
 from edgellm.layout.stacking import LONE_FILE, STACK_FILE, check_lone
 from edgellm.quant import QuantizeOptions, quantize_export
@@ -24,17 +23,14 @@ from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.fileio import describe_files
 from edgellm.runtime.manifest import FORMAT_VERSION, LONE_SINCE, MANIFEST, read_manifest
 from edgellm.runtime.session import SessionConfig
-from tests.export_helpers import tiny_model
+from tests.export_helpers import default_export
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 256, 7)]
 
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lone") / "fp32"
-    export_model(tiny_model("llama2", seed=0), out, ExportOptions(max_seq=64, prefill_chunk=8), progress=False,
-                 log=lambda _: None)
-    return out
+    return default_export(tmp_path_factory.mktemp("lone") / "fp32")
 
 
 def test_the_lone_graph_is_the_stack_without_the_spare_row(fp32: Path) -> None:

@@ -13,13 +13,12 @@ import pytest
 
 from edgellm.cli import main
 from edgellm.cli.speculation import open_generator
-from edgellm.export import ExportOptions, export_model
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.manifest import read_manifest
 from edgellm.runtime.rows_memo import FORMAT, KEEP, Verdict, memo_key, memo_path, recall, remember
 from edgellm.runtime.session import SessionConfig
 from edgellm.runtime.speculative import rows_exact_here
-from tests.export_helpers import tiny_model
+from tests.export_helpers import default_export
 from tests.quant_helpers import quantize
 
 PROMPT = ",".join(str(t) for t in np.random.default_rng(4).integers(3, 256, 9))
@@ -27,10 +26,7 @@ PROMPT = ",".join(str(t) for t in np.random.default_rng(4).integers(3, 256, 9))
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("memo") / "fp32"
-    export_model(tiny_model("llama2", seed=0), out, ExportOptions(max_seq=64, prefill_chunk=8), progress=False,
-                 log=lambda _: None)
-    return out
+    return default_export(tmp_path_factory.mktemp("memo") / "fp32")
 
 
 @pytest.fixture(scope="module")
