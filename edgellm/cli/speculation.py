@@ -106,10 +106,9 @@ def speculate(gen, args: argparse.Namespace, config, sampled: bool = False, know
             if known is not None and not known.exact:
                 from edgellm.runtime.rows_memo import memo_path
 
-                where = f"measured once, remembered in {memo_path()}" if known.remembered else "measured now"
+                where = f"remembered in {memo_path()}" if known.remembered else "measured now, remembered"
                 lone = "; decoding through the lone-row stack" if engine.stack_role == "stack_lone" else ""
-                print(f"[--speculative auto: off: on this CPU a verification row differs from a decode step by "
-                      f"{known.diff:.2g} ({where}: its kernels compute one row and several differently), so greedy "
-                      f"speculation could change the text at a near-tie{lone}; --speculative lookup uses it "
-                      "anyway]", file=sys.stderr)
+                print(f"[--speculative auto: off: this CPU computes a verification row {known.diff:.2g} away from a "
+                      f"decode step ({where}), so greedy speculation could change the text at a near-tie{lone}; "
+                      "--speculative lookup uses it anyway]", file=sys.stderr)
     gen.speculate(mode, args.draft, args.draft_tokens, config)
