@@ -73,8 +73,8 @@ def memo_key(directory: Path, threads: int | None) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _read(path: Path) -> dict[str, dict]:
-    """The file's verdicts; {} when it is missing, and (with a note) when it cannot be used."""
+def _read(path: Path, note: bool = True) -> dict[str, dict]:
+    """The file's well-formed verdicts; {} when it is missing, and (with a note) when it cannot be used."""
     if not path.exists():
         return {}
     try:
@@ -82,27 +82,27 @@ def _read(path: Path) -> dict[str, dict]:
         if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("version") == VERSION
                 and isinstance(doc.get("verdicts"), dict)):
             raise ValueError(f"expected format {FORMAT!r} version {VERSION}")
-        return doc["verdicts"]
     except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
-        print(f"[{path}: ignored ({err}); measuring again]", file=sys.stderr)
+        if note:
+            print(f"[{path}: ignored ({err}); measuring again]", file=sys.stderr)
         return {}
+    return {k: v for k, v in doc["verdicts"].items() if isinstance(v, dict) and isinstance(v.get("exact"), bool)
+            and isinstance(v.get("diff"), int | float) and isinstance(v.get("measured"), str)}
 
 
 def recall(key: str, path: Path | None = None) -> Verdict | None:
     """The verdict kept for `key`, or None."""
     entry = _read(path or memo_path()).get(key)
-    if not isinstance(entry, dict) or not isinstance(entry.get("exact"), bool):
-        return None
-    return Verdict(entry["exact"], float(entry.get("diff", 0.0)), remembered=True)
+    return None if entry is None else Verdict(entry["exact"], float(entry["diff"]), remembered=True)
 
 
 def remember(key: str, verdict: Verdict, export: Path, path: Path | None = None) -> None:
     """Keep `verdict` for `key` (best effort: a read-only home only costs the next run a measurement)."""
     path = path or memo_path()
-    verdicts = _read(path)
+    verdicts = _read(path, note=False)  # recall() said so already
     verdicts[key] = {"exact": verdict.exact, "diff": verdict.diff, "export": str(Path(export).resolve()),
                      "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    kept = dict(sorted(verdicts.items(), key=lambda kv: str(kv[1].get("measured", "")))[-KEEP:])
+    kept = dict(sorted(verdicts.items(), key=lambda kv: kv[1]["measured"])[-KEEP:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"format": FORMAT, "version": VERSION, "verdicts": kept}, indent=1))

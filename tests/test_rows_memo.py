@@ -56,6 +56,11 @@ def test_a_verdict_is_kept_per_key_and_a_bad_file_is_measured_past(tmp_path: Pat
         assert f"{path}: ignored" in capsys.readouterr().err
         remember("a", Verdict(True, 0.0), fp32, path)  # rewritten whole, in the current format
         assert recall("a", path) == Verdict(True, 0.0, remembered=True)
+    remember("b", Verdict(True, 0.0), fp32, path)
+    doc = json.loads(path.read_text())
+    doc["verdicts"]["a"]["diff"] = "x"  # an entry edited by hand: that one is not read
+    path.write_text(json.dumps(doc))
+    assert recall("a", path) is None and recall("b", path) == Verdict(True, 0.0, remembered=True)
     for i in range(KEEP + 3):
         remember(f"k{i}", Verdict(True, 0.0), fp32, path)
     assert len(json.loads(path.read_text())["verdicts"]) == KEEP
