@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgellm.model import Decoder
+from edgellm.runtime.errors import need
 from edgellm.runtime.graphio import Dims, TensorSpec, graph_io, graph_paths
 from edgellm.runtime.kvcache import write_ring, write_rows
 
@@ -123,9 +124,9 @@ class Unit:
         return (name, file, data, *graph_io(self.role, seq, self.layer, dims))
 
 
-def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows", rings: tuple[bool, ...] = ()) -> list[Unit]:
+def plan_units(model: Decoder, granularity: str, kv_layout: str, rings: tuple[bool, ...]) -> list[Unit]:
     """Export order: the head before the embedding, whose tied table points into head.data. `rings`: which layers'
-    caches are rings (graphio `Dims.ring`; () = the sliding ones)."""
+    caches are rings, one entry per layer (graphio `Dims.ring`, the export's one rule)."""
     n = model.cfg.n_layers
     if granularity == "model":
         return [Unit("model", "model", None, ModelGraph(model), _model_ref(model), ("",))]
@@ -136,8 +137,8 @@ def plan_units(model: Decoder, granularity: str, kv_layout: str = "rows", rings:
                   carried),
              Unit("embed", "embed", None, EmbedGraph(model),
                   lambda x: [model.embed_tokens(x["tokens"], x.get("positions"))], ("embed.", "pos_embed.", "pos_table"))]
-    ring = rings or tuple(model.cfg.window(i) is not None for i in range(n))
-    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout, ring[i]),
+    need(len(rings) == n, f"internal: {len(rings)} ring flags for {n} layers")
+    units += [Unit(f"layer_{i}", "layer", i, LayerGraph(model, i), _layer_ref(model, i, kv_layout, rings[i]),
                    (f"layers.{i}.", "rotary.", "rotary_local."))
               for i in range(n)]
     return units

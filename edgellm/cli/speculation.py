@@ -76,7 +76,7 @@ def open_generator(directory: Path, manifest, config, choice: str, temperature: 
     known = Verdict(exact_here, diff)
     remember(key, known, directory)
     lone = dataclasses.replace(config, exact=False)
-    if exact and not known.exact and choice == "auto" and stack_role(manifest, lone) != gen.engine.stack_role:
+    if not known.exact and choice == "auto" and stack_role(manifest, lone) != gen.engine.stack_role:
         gen = None
         gc.collect()  # the spare-row stack's packed weights go before the lone stack packs its own
         gen = Generator(directory, manifest, lone)
