@@ -71,7 +71,7 @@ def _timed(cmd: list[str], log: Path) -> None:
 def build_edgellm(hf: Path, out: Path, precision: str, max_seq: int, kv_dtype: str | None = None,
                   lm_head: str | None = None, profile: str | None = None) -> Path:
     """`edgellm export` (+ `quantize`) with the defaults a user gets (`kv_dtype` None: the fp32 export's fp32
-    cache, quantize's fp16 one); else that cache type: float16 `export --kv-dtype float16` (the directories end
+    cache, quantize's `auto` one: fp32 at max_seq 256); else that cache type: float16 `export --kv-dtype float16` (the directories end
     in -kv16), float32 / int8 `quantize --kv-dtype` (the quantized one ends in -kv32 / -kv8). `lm_head`: quantize's
     `--lm-head` (the quantized directory ends in -head4 / -head8); `profile`: quantize's `--profile` (-small)."""
     export_kv = "float16" if kv_dtype == "float16" else "float32"
@@ -203,7 +203,7 @@ def main() -> None:
     p.add_argument("--lone", action="store_true", help="edgellm through its lone-row stack in the rotation too")
     p.add_argument("--kv-dtype", choices=("float32", "float16", "int8"), default=None,
                    help="edgellm's export with this KV cache type (default: what a user gets, an fp32 cache in "
-                        "the fp32 export and fp16 in the quantized ones; float16: `edgellm export --kv-dtype`; "
+                        "the fp32 export, quantize's auto in the quantized ones (fp32 at max_seq 256); float16: `edgellm export --kv-dtype`; "
                         "float32 / int8: `edgellm quantize --kv-dtype`, quantized precisions only)")
     p.add_argument("--lm-head", choices=("int8", "int4"), default=None,
                    help="edgellm quantize --lm-head (default: what a user gets; onnxruntime-genai's int4 has an int4 "

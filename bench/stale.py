@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
+from edgellm.quant.kv_cache import FP16_MIN_SEQ
 from edgellm.quant.options import QuantizeOptions
 from edgellm.runtime.manifest import FORMAT_VERSION, READS
 
@@ -29,8 +30,8 @@ def rebuild_if_stale(out: Path, build: Callable[[], object], source_rebuilt: boo
     """Run `build` (which writes `out`) unless `out` already holds an export in the manifest format edgellm
     writes now, quantized (if it is) with today's set of `quantize` options (a new option changes what a
     default run writes, e.g. --scales-dtype) — and, given the `quantize_flags` it is built with, today's values
-    of them (a profile's changed default, e.g. small's int8 head rows) — and the export it derives from was not
-    just rebuilt. True if it built."""
+    of them (a profile's changed default, e.g. small's int8 head rows), with the cache `--kv-dtype auto` gives its
+    max_seq today — and the export it derives from was not just rebuilt. True if it built."""
     try:
         manifest = json.loads((out / "manifest.json").read_text())
         version = manifest["format_version"]
@@ -39,9 +40,11 @@ def rebuild_if_stale(out: Path, build: Callable[[], object], source_rebuilt: boo
     current = isinstance(version, int) and FORMAT_VERSION <= version <= max(READS)  # 15: quantize's int8 cache
     recorded = set((manifest.get("quantization") or {}).get("options", {}))
     options = not recorded or recorded == {f.name for f in fields(QuantizeOptions)}
+    kept = (manifest.get("quantization") or {}).get("options", {})
     if options and recorded and quantize_flags is not None:
-        kept = (manifest.get("quantization") or {}).get("options", {})
         options = all(kept.get(k) == v for k, v in resolved_options(quantize_flags).items())
+    if kept.get("kv_dtype") == "auto" and manifest.get("kv_dtype") == "float16":
+        options = options and manifest.get("max_seq", 0) >= FP16_MIN_SEQ  # auto's rule since 2026-11-28
     if current and options and not source_rebuilt:
         return False
     if out.exists():

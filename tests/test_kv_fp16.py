@@ -2,7 +2,7 @@
 GroupQueryAttention's inputs to fp16 and its output back, the runtime allocates the cache fp16 (half the bytes),
 the logits stay within the fp16 tolerance of PyTorch's, greedy speculation stays bit for bit plain decoding (fp32
 and int4 weights, the lone-row stack too), quantize keeps the cache type or makes an fp32 one fp16 (its
-default), and what cannot hold one is refused."""
+default from max_seq 1536 on: quant/kv_cache.FP16_MIN_SEQ), and what cannot hold one is refused."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from edgellm.export import ExportOptions, export_model
 from edgellm.model import ModelConfig
+from edgellm.quant.kv_cache import FP16_MIN_SEQ
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
@@ -29,9 +30,10 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 256, 10)] * 3
 GREEDY = SamplingParams(temperature=0)
 
 
-def export(out: Path, kv_dtype: str, preset: str = "llama2", **over) -> tuple[Path, torch.nn.Module]:
+def export(out: Path, kv_dtype: str, preset: str = "llama2", max_seq: int = 96,
+           **over) -> tuple[Path, torch.nn.Module]:
     model = tiny_model(preset, seed=0, **over)
-    export_model(model, out, ExportOptions(max_seq=96, prefill_chunk=8, kv_dtype=kv_dtype), progress=False,
+    export_model(model, out, ExportOptions(max_seq=max_seq, prefill_chunk=8, kv_dtype=kv_dtype), progress=False,
                  log=lambda _: None)
     return out, model
 
@@ -115,23 +117,33 @@ def test_info_prints_the_cache_type_and_its_size(exports, capsys) -> None:
 
 
 def test_quantize_makes_the_cache_fp16_as_export_does(exports, tmp_path: Path) -> None:
-    """`quantize --kv-dtype float16` (and `auto`, the CLI's default) on an fp32-cache export rewrites the layers'
-    attention as `export --kv-dtype float16` writes it (quant/kv_cache.py): the same logits, bit for bit, as
-    quantizing the fp16 export with the same weights; greedy speculation stays exact."""
+    """`quantize --kv-dtype float16` (and `auto`, the CLI's default, where max_seq >= FP16_MIN_SEQ) on an fp32-cache
+    export rewrites the layers' attention as `export --kv-dtype float16` writes it (quant/kv_cache.py): the same
+    logits, bit for bit, as quantizing the fp16 export with the same weights; greedy speculation stays exact.
+    Under FP16_MIN_SEQ `auto` keeps the fp32 cache (faster at the contexts such an export reaches)."""
     (d16, _), (d32, _) = exports["float16"], exports["float32"]
     rewritten = quantize(d32, tmp_path / "rewritten", bits=4, method="rtn", kv_dtype="float16")
-    auto = quantize(d32, tmp_path / "auto", bits=4, method="rtn", kv_dtype="auto")
     kept = quantize(d16, tmp_path / "kept", bits=4, method="rtn", kv_dtype="float16")  # already fp16: kept as is
-    for d in (rewritten, auto, kept):
+    for d in (rewritten, kept):
         m = read_manifest(d)
         assert (m.kv_dtype, m.format_version) == ("float16", 14)
         assert all(t.dtype == "float16" for g in m.graphs for t in (*g.inputs, *g.outputs)
                    if t.name.startswith(("past_", "present_")))
-    rows = {d.name: Engine.open(d, read_manifest(d)).forward_rows(PROMPT) for d in (rewritten, auto, kept)}
-    assert np.array_equal(rows["rewritten"], rows["kept"]) and np.array_equal(rows["auto"], rows["kept"])
+    rows = {d.name: Engine.open(d, read_manifest(d)).forward_rows(PROMPT) for d in (rewritten, kept)}
+    assert np.array_equal(rows["rewritten"], rows["kept"])
     assert assert_exact_speculation(rewritten, PROMPT).stack_role == "stack"
     plain = quantize(d32, tmp_path / "plain", bits=4, method="rtn")  # the API's default: the export's cache
     assert read_manifest(plain).kv_dtype == "float32"
+    short = quantize(d32, tmp_path / "short", bits=4, method="rtn", kv_dtype="auto")  # max_seq 96 < FP16_MIN_SEQ
+    assert read_manifest(short).kv_dtype == "float32"
+    assert np.array_equal(Engine.open(short, read_manifest(short)).forward_rows(PROMPT),
+                          Engine.open(plain, read_manifest(plain)).forward_rows(PROMPT))
+    long32, _ = export(tmp_path / "long32", "float32", max_seq=FP16_MIN_SEQ, max_seq_len=FP16_MIN_SEQ)
+    long16, _ = export(tmp_path / "long16", "float16", max_seq=FP16_MIN_SEQ, max_seq_len=FP16_MIN_SEQ)
+    auto = quantize(long32, tmp_path / "auto", bits=4, method="rtn", kv_dtype="auto")
+    kept16 = quantize(long16, tmp_path / "kept16", bits=4, method="rtn")
+    assert read_manifest(auto).kv_dtype == "float16"
+    assert np.array_equal(*(Engine.open(d, read_manifest(d)).forward_rows(PROMPT) for d in (auto, kept16)))
 
 
 def test_quantize_keeps_a_cache_it_cannot_narrow_and_refuses_to_widen_one(exports, tmp_path: Path) -> None:

@@ -146,11 +146,11 @@ def test_the_cli_quantizes_the_cache_and_info_prints_it(exports, tmp_path: Path,
     from edgellm.cli import main
 
     src = str(exports["fp32"])
-    for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float16"),
-                              ("q4", ["--bits", "4"], "float16"), ("f32", ["--bits", "8", "--kv-dtype", "float32"],
-                                                                   "float32")):
+    for name, flags, want in (("int8", ["--bits", "8", "--kv-dtype", "int8"], "int8"), ("q8", ["--bits", "8"], "float32"),
+                              ("q4", ["--bits", "4", "--kv-dtype", "float16"], "float16"),
+                              ("f32", ["--bits", "8", "--kv-dtype", "float32"], "float32")):
         assert main(["quantize", src, "-o", str(tmp_path / name), *flags, "--no-progress", "--no-check"]) == 0
-        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default: fp16 (kv_cache.py)
+        assert read_manifest(tmp_path / name).kv_dtype == want, flags  # the default at this max_seq: fp32
     capsys.readouterr()
     assert main(["info", str(tmp_path / "int8")]) == 0
     out = capsys.readouterr().out

@@ -85,8 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "0.1; 0.45 where --block-min auto keeps the linears' grids)")
     p.add_argument("--kv-dtype", default=None, choices=("auto", "float32", "float16", "int8"),
                    help="the KV cache's type. auto (default): float16 where the export holds one (a fused export "
-                        "with a float32 cache: half its bytes, quality within noise, decode a few %% slower at short contexts and "
-                        "faster at long ones), else the export's. "
+                        "with a float32 cache) and its --max-seq is >= 1536 (half the bytes, quality within noise; "
+                        "onnxruntime's CPU attention is slower on fp16 rows, which pays only past ~700 rows of "
+                        "context), else the export's. float16: always where it can. "
                         "float32: keep the export's fp32 cache. int8: a quarter of fp32's bytes (static "
                         "per-channel scales calibrated on --calibration-tokens of sampled text, or "
                         "--calibration-text; runs on onnxruntime >= 1.27): faster plain decoding, slower "
