@@ -1,11 +1,11 @@
-"""Decode tok/s of edgellm's quantized SmolLM2 exports vs llama.cpp's GGUFs, each pair back to back, the order
+"""Decode tok/s of edgellm's quantized exports vs llama.cpp's GGUFs of the same model, each pair back to back, the order
 alternating between rounds.
 
     python bench/quant_speed_llamacpp.py ROOT [THREADS] [ROUNDS]   (ROOT: bench/quant_vs_llamacpp.py's --root, built)
 
 edgellm: `edgellm bench` (64-token prompt, 128 new tokens, median of 3; the stack a greedy `edgellm run` opens on
 this machine, printed); llama.cpp: llama-cpp-python's eval loop on the same prompt (quality_llamacpp.decode_speed,
-which includes a Python call and an argmax over the 49152 logits per token). Pairs: each default against its
+which includes a Python call and an argmax over the logits per token; ROOT/gguf/*-PEER.gguf). Pairs: each default against its
 class's peer (int8 / Q8_0, `balanced` int4 / Q4_K_M, `small` / Q4_0). Prints each ratio, the load average and the
 median ratio per pair.
 """
@@ -36,7 +36,7 @@ def edgellm(directory: Path) -> tuple[float, str]:
 res: dict = {}
 for r in range(rounds):
     for i, (ours, peer) in enumerate(pairs):
-        gguf = root / "gguf" / f"smollm2-{peer}.gguf"
+        gguf = next((root / "gguf").glob(f"*-{peer}.gguf"))
         if (r + i) % 2 == 0:
             (a, stack), b = edgellm(root / "edgellm" / ours), L.decode_speed(gguf, threads)
         else:
