@@ -45,7 +45,7 @@ from edgellm.layout.kv_fp16 import fp16_cache
 from edgellm.layout.lone import EXTRA_ROW, ONE, ROWS_END
 from edgellm.model import Decoder, ModelConfig
 from edgellm.runtime.errors import need
-from edgellm.runtime.graphio import TensorSpec
+from edgellm.runtime.graphio import SPARE_ROWS, TensorSpec
 
 from .fused_heads import cache_head_dim, pad_heads, rope_in_gqa
 from .fused_ring import ring_attention
@@ -92,19 +92,22 @@ def rope_tables(model: Decoder, max_seq: int, local: bool = False) -> tuple[np.n
 
 def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray | None, ...],
                 inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-                opset: int, ring: bool = False, local_window: int = -1) -> tuple[ir.Model, set[str]]:
+                opset: int, ring: bool = False) -> tuple[ir.Model, set[str]]:
     """The fused graph of `model.layers[layer]` at S = `seq`; returns it and its weight initializer names.
     `tables`: `rope_tables(model, max_seq, local)`, the same arrays for every layer and variant. `ring`: the
     layer's cache is a ring (graphio `Dims.ring`: a sliding layer whose window is shorter than max_seq), attended in
     standard ops; a sliding layer whose window covers max_seq is a full one here (GroupQueryAttention, its table),
-    and one with a full-length cache (`--sliding-cache full`) too, its window the kernel's `local_window` (keys
-    with q - p < window: measured equal to the model's mask, tests/test_gemma3_covered.py); -1: none.
+    and one with a full-length cache (`--sliding-cache full`) too, its window the kernel's `local_window_size`
+    where shorter than that cache's max_seq rows (keys with q - p < window: measured equal to the model's mask,
+    tests/test_gemma3_covered.py).
 
     `inputs`/`outputs` are the "inplace" layer contract from `graph_io` (hidden, seqlens_k, total_len,
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
     window = cfg.window(layer) if ring else None  # a ring cache is attended with standard ops (fused_ring.py)
+    sliding = cfg.window(layer)  # a full-length cache of max_seq + SPARE_ROWS rows: the kernel applies a shorter window
+    local_window = sliding if sliding is not None and not ring and sliding < inputs[3].shape[2] - SPARE_ROWS else -1
     h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
     hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs
     need(inputs[3].shape[-1] == hd, f"layer_{layer}: cache rows of {inputs[3].shape[-1]}, expected {hd}")

@@ -79,15 +79,12 @@ def export_unit(model: Decoder, unit: Unit, directory: Path, dims: Dims, options
     data = DataFile(directory, f"{unit.stem}.data", {**known, **rope.refs} if fused else known)
     graphs, ops, matmuls = [], {}, {}
     tables = rope.of(model, unit.layer) if fused else ()
-    # a sliding layer with a full-length cache (--sliding-cache full): its window applied by the fused kernel
-    window = model.cfg.window(unit.layer) if unit.layer is not None else None
-    local_window = window if window is not None and window < dims.max_seq and not dims.ring(unit.layer) else -1
     try:
         for seq in variant_seqs(options):
             name, file, _, inputs, outputs = unit.graph(seq, dims)
             if fused:
                 model_ir, names = build_layer(model, unit.layer, seq, tables, inputs, outputs, options.opset,
-                                              dims.ring(unit.layer), local_window)
+                                              dims.ring(unit.layer))
             else:
                 trace_in = example_inputs(inputs, dims, torch.Generator().manual_seed(0), 0)
                 model_ir = trace_graph(unit.module, trace_in, [o.name for o in outputs], options.opset, name)
