@@ -99,10 +99,7 @@ def prepare(work: Path) -> None:
         raise SystemExit(f"arm64_host: int4grid did not keep the three grids: {kept}")
     names = ["fp32", "int8", "int4", "int4" + LONE, "int4kv8", "int4kv8" + PLAIN, "kv16", "int4min", "int4grid"]
     for name in names:
-        export, extra = name, []
-        for suffix, flags in ((LONE, LONE_FLAGS), (PLAIN, PLAIN_FLAGS)):
-            if name.endswith(suffix):
-                export, extra = name.removesuffix(suffix), flags
+        export, extra = run_of(name)
         out = json.loads(subprocess.run([sys.executable, "-m", "edgellm", "run", str(exports / export),
                                          "--prompt", PROMPT, *RUN_FLAGS, *extra],
                                         check=True, capture_output=True, text=True).stdout)
@@ -147,9 +144,12 @@ def teacher_forced(export: Path, prompt: list[int], tokens: list[int]):
     return Engine.open(export, read_manifest(export)).forward_rows(prompt + tokens[:-1])[len(prompt) - 1:]
 
 
-def export_of(name: str) -> str:
-    """The export a run name runs (NAME-lone, NAME-plain: NAME's)."""
-    return name.removesuffix(LONE).removesuffix(PLAIN)
+def run_of(name: str) -> tuple[str, list[str]]:
+    """The export a run name runs and its extra `edgellm run` flags (NAME-lone, NAME-plain: NAME's, with theirs)."""
+    for suffix, flags in ((LONE, LONE_FLAGS), (PLAIN, PLAIN_FLAGS)):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), flags
+    return name, []
 
 
 def explained(work: Path, name: str, want: dict, i: int) -> str | None:
@@ -162,7 +162,7 @@ def explained(work: Path, name: str, want: dict, i: int) -> str | None:
     if not path.is_file():
         return None
     board = np.asarray(json.loads(path.read_text())["rows"], dtype=np.float32)[:i + 1]
-    export = work / "exports" / export_of(name)
+    export = work / "exports" / run_of(name)[0]
     host = teacher_forced(export, want["prompt_ids"], want["token_ids"])[:i + 1]
     gap = float(np.abs(board - host).max())
     quantized = json.loads((export / "manifest.json").read_text()).get("quantization") is not None
@@ -215,7 +215,7 @@ def compare(work: Path) -> int:
             same = arm[name.removesuffix(PLAIN)]["token_ids"] == got["token_ids"]
             print(f"{name}: speculative {'=' if same else 'DIFFERS FROM'} plain decoding on the board")
             bad += not same
-    (work / EXPLAIN).write_text("".join(f"{n} {export_of(n)}\n" for n in unexplained
+    (work / EXPLAIN).write_text("".join(f"{n} {run_of(n)[0]}\n" for n in unexplained
                                         if not (work / "arm" / f"{n}.logits.json").is_file()))
     return 1 if bad else 0
 

@@ -36,7 +36,9 @@ def edgellm(directory: Path) -> tuple[float, str]:
 res: dict = {}
 for r in range(rounds):
     for i, (ours, peer) in enumerate(pairs):
-        gguf = next((root / "gguf").glob(f"*-{peer}.gguf"))
+        gguf = next((root / "gguf").glob(f"*-{peer}.gguf"), None)
+        if gguf is None:
+            sys.exit(f"quant_speed_llamacpp: no {root / 'gguf'}/*-{peer}.gguf (run bench/quant_vs_llamacpp.py first)")
         if (r + i) % 2 == 0:
             (a, stack), b = edgellm(root / "edgellm" / ours), L.decode_speed(gguf, threads)
         else:

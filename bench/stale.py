@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
-from edgellm.quant.kv_cache import FP16_MIN_SEQ
+from edgellm.quant.kv_cache import auto_fp16
 from edgellm.quant.options import QuantizeOptions
 from edgellm.runtime.manifest import FORMAT_VERSION, READS
 
@@ -44,7 +44,7 @@ def rebuild_if_stale(out: Path, build: Callable[[], object], source_rebuilt: boo
     if options and recorded and quantize_flags is not None:
         options = all(kept.get(k) == v for k, v in resolved_options(quantize_flags).items())
     if kept.get("kv_dtype") == "auto" and manifest.get("kv_dtype") == "float16":
-        options = options and manifest.get("max_seq", 0) >= FP16_MIN_SEQ  # auto's rule since 2026-11-28
+        options = options and auto_fp16(manifest.get("max_seq", 0))  # auto's rule since 2026-11-28
     if current and options and not source_rebuilt:
         return False
     if out.exists():

@@ -105,8 +105,9 @@ def build_layer(model: Decoder, layer: int, seq: int, tables: tuple[np.ndarray |
     past_key.i, past_value.i -> hidden_out, present_key.i, present_value.i).
     """
     cfg, block = model.cfg, model.layers[layer]
-    window = cfg.window(layer) if ring else None  # a ring cache is attended with standard ops (fused_ring.py)
-    sliding = cfg.window(layer)  # a full-length cache of max_seq + SPARE_ROWS rows: the kernel applies a shorter window
+    sliding = cfg.window(layer)
+    window = sliding if ring else None  # a ring cache is attended with standard ops (fused_ring.py)
+    # a full-length cache (max_seq + SPARE_ROWS rows) of a sliding layer: the kernel applies a shorter window
     local_window = sliding if sliding is not None and not ring and sliding < inputs[3].shape[2] - SPARE_ROWS else -1
     h, kv, hd_real = cfg.n_heads, cfg.n_kv_heads, cfg.hd
     hd = cache_head_dim(cfg)  # heads as the graph holds them: zero-padded to it if GroupQueryAttention needs

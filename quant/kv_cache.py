@@ -34,6 +34,11 @@ from .options import QuantizeOptions
 FP16_MIN_SEQ = 1536  # `--kv-dtype auto` narrows the cache to fp16 from this max_seq on (docstring)
 
 
+def auto_fp16(max_seq: int) -> bool:
+    """Whether `--kv-dtype auto` gives an export of this max_seq an fp16 cache (where it can hold one)."""
+    return max_seq >= FP16_MIN_SEQ
+
+
 def refuse_reason(manifest: Manifest) -> str | None:
     """Why this export's cache cannot be made another type, or None."""
     if manifest.kv_layout != "inplace" or manifest.granularity != "layer":
@@ -56,7 +61,7 @@ def cache_type(src: Path, manifest: Manifest, options: QuantizeOptions) -> str |
         return None
     reason = refuse_reason(manifest)
     if options.kv_dtype is None or (options.kv_dtype == "auto" and (reason is not None
-                                                                   or manifest.max_seq < FP16_MIN_SEQ)):
+                                                                   or not auto_fp16(manifest.max_seq))):
         return None
     need(reason is None, f"--kv-dtype {options.kv_dtype}: {src}: {reason}")
     return "float16" if options.kv_dtype == "auto" else options.kv_dtype
