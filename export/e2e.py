@@ -9,7 +9,6 @@ as well); the PyTorch side holds one part at a time and is done before the Engin
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from edgellm.loaders.lazy import Weights
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.manifest import Manifest
 
+from .memory import release_memory, weight_bytes
 from .verify import max_abs_diff
 
 
@@ -59,7 +59,7 @@ def check_end_to_end(parts: Weights, directory: Path, manifest: Manifest, seed: 
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, manifest.vocab_size, (prompt + steps,), generator=gen)
     want = forward_by_parts(parts, tokens[None])[0].numpy()
-    gc.collect()
+    release_memory(weight_bytes(parts.model))
     got = onnx_logits(directory, manifest, tokens.numpy(), prompt)
-    gc.collect()
+    release_memory(weight_bytes(parts.model))
     return max_abs_diff([got], [want])

@@ -36,7 +36,7 @@ from .e2e import check_end_to_end
 from .fused_heads import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
-from .memory import release_memory
+from .memory import release_memory, weight_bytes
 from .options import ExportOptions
 from .tokenizer_files import (
     CHAT_TEMPLATE,
@@ -103,7 +103,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
-    release_memory()
+    nbytes = weight_bytes(model)
+    release_memory(nbytes)
     units = plan_units(model, options.granularity, options.kv_layout, tuple(dims.ring(i) for i in range(cfg.n_layers)))
     seqs = variant_seqs(options)
     rope = None
@@ -127,7 +128,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                 known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
                 with parts.holding(unit.weight_prefixes):
                     rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1), rope)
-                release_memory()  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
+                release_memory(nbytes)  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
 
@@ -155,13 +156,13 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         verification=verification, kv_head_dim=kv_head_dim,
         kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype,
         sliding_cache=options.sliding_cache, format_version=version)
-    release_memory()
+    release_memory(nbytes)
     e2e = check_end_to_end(parts, partial, manifest, options.seed)
     need(e2e <= options.tolerance, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
                                    f"> --atol {options.tolerance:g} (chunked prefill + decode, the runtime's Engine)")
     manifest = replace(manifest, verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
-        release_memory()  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
+        release_memory(nbytes)  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)
 
     if out.is_dir() and not any(out.iterdir()):
