@@ -210,7 +210,9 @@ def write_gguf(path: Path, model: torch.nn.Module, family: str, vocab: dict[str,
 
 def _add(w, key: str, value: Any) -> None:
     T = gguf.GGUFValueType
-    if isinstance(value, bool):
+    if isinstance(value, tuple):  # (value, GGUFValueType): a type of the test's choosing
+        w.add_key_value(key, value[0], value[1])
+    elif isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
         w.add_uint32(key, value)

@@ -72,6 +72,8 @@ def _bad(tmp_path: Path, good: Path, kind: str) -> tuple[Path, str]:
         return _rewrite(good, f, lambda d: d.__delitem__(slice(200, None))), "corrupt or truncated GGUF file"
     if kind == "bad-magic":
         return _rewrite(good, f, lambda d: d.__setitem__(slice(0, 4), b"GGUX")), "not a GGUF file"
+    if kind == "big-endian":  # version 3 written big-endian: refused, not misread
+        return _rewrite(good, f, lambda d: d.__setitem__(slice(4, 8), struct.pack(">I", 3))), "a big-endian GGUF file"
     if kind == "version":
         return _rewrite(good, f, lambda d: d.__setitem__(slice(4, 8), struct.pack("<I", 9))), "GGUF version 9"
     if kind == "arch":
@@ -87,7 +89,7 @@ def _bad(tmp_path: Path, good: Path, kind: str) -> tuple[Path, str]:
     raise AssertionError(kind)
 
 
-KINDS = ["truncated-data", "truncated-header", "bad-magic", "version", "arch", "tensor-type", "missing-key", "shape"]
+KINDS = ["truncated-data", "truncated-header", "bad-magic", "big-endian", "version", "arch", "tensor-type", "missing-key", "shape"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -180,3 +180,29 @@ def test_yarn_scaling_is_refused(tmp_path):
                       meta={"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0})
     with pytest.raises(EdgeError, match="rope scaling type 'yarn' is not supported"):
         load_checkpoint(path)
+
+
+def test_reader_reads_what_gguf_py_reads(tmp_path):
+    """edgellm's one-pass reader (gguf_read.py) against gguf-py's GGUFReader on a file holding every metadata
+    value type (strings, arrays of strings, of numbers and of arrays) and float and quantized tensors."""
+    import gguf
+
+    from edgellm.loaders.gguf_read import read_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", hf_model("llama", 290), "llama", spm_vocab(), qtype=Q.Q4_K,
+                      meta={"test.u8": (7, gguf.GGUFValueType.UINT8), "test.i16": (-3, gguf.GGUFValueType.INT16),
+                            "test.u64": (2**40, gguf.GGUFValueType.UINT64), "test.f64": (0.1, gguf.GGUFValueType.FLOAT64),
+                            "test.bool": (True, gguf.GGUFValueType.BOOL), "test.nested": [[1, 2], [3]],
+                            "test.floats": [0.5, -1.25], "test.words": ["a", "ß", "🙂", ""]})
+    fields, tensors = read_gguf(path)
+    reader = gguf.GGUFReader(path)
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert theirs.pop("test.nested") == [1, 2, 3]  # gguf-py flattens an array of arrays; the file holds two
+    assert theirs == {k: v for k, v in fields.items() if k != "test.nested"}
+    assert fields["test.words"] == ["a", "ß", "🙂", ""] and fields["test.nested"] == [[1, 2], [3]]
+    assert [t.name for t in reader.tensors] == list(tensors) and any(t.tensor_type == Q.Q4_K for t in reader.tensors)
+    for t in reader.tensors:
+        ours = tensors[t.name]
+        assert (ours.tensor_type, ours.data_offset, ours.n_bytes) == (t.tensor_type, t.data_offset, t.n_bytes)
+        assert ours.shape == tuple(int(n) for n in t.shape)
+        assert np.array_equal(ours.data.reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1)), t.name

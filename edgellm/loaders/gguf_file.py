@@ -2,7 +2,7 @@
 the tensors by name with the duck-typed API of `tensors.TensorSource` (names, __contains__, file,
 shape_dtype, get), so `check_plan` / `fill_model` fill a meta-built `Decoder` from it as from safetensors.
 
-`gguf.GGUFReader` memory-maps the file and parses only the metadata and tensor table; `get` dequantizes one
+`gguf_read.read_gguf` memory-maps the file and parses only the metadata and tensor table; `get` dequantizes one
 tensor at a time (gguf.quants.dequantize) to float32, so filling a model costs the float32 model plus the
 largest tensor plus the file's pages touched so far (a quantized file is 1/8-1/2 of the float32 model).
 GGUF shapes (`ne`) list the fastest-varying dimension first: the numpy/torch shape is `ne` reversed.
@@ -10,7 +10,6 @@ GGUF shapes (`ne`) list the fastest-varying dimension first: the numpy/torch sha
 
 from __future__ import annotations
 
-import gc
 import struct
 from collections import Counter
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import torch
 from edgellm.runtime.errors import EdgeError, need
 
 MAGIC = b"GGUF"
-VERSIONS = (2, 3)  # what gguf.GGUFReader (and llama.cpp) read; v1 files predate the 64-bit counts
+VERSIONS = (2, 3)  # what llama.cpp reads; v1 files predate the 64-bit counts
 
 # ggml tensor types edgellm dequantizes (to float32); the float ones are exact
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -49,8 +48,8 @@ def check_header(path: Path) -> int:
     need(len(head) == 8, f"{path}: truncated GGUF file ({len(head)} bytes, no header)")
     need(head[:4] == MAGIC, f"{path}: not a GGUF file (magic {head[:4]!r}, expected {MAGIC!r})")
     version = struct.unpack("<I", head[4:])[0]
-    if version & 0xFFFF == 0:  # a big-endian file read little-endian
-        version = struct.unpack(">I", head[4:])[0]
+    need(version & 0xFFFF != 0 or struct.unpack(">I", head[4:])[0] not in VERSIONS,
+         f"{path}: a big-endian GGUF file (edgellm reads little-endian ones, as llama.cpp writes them)")
     need(version in VERSIONS, f"{path}: GGUF version {version} is not supported (expected one of "
          f"{', '.join(map(str, VERSIONS))})")
     return version
@@ -61,45 +60,30 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         try:
-            import gguf  # host-side dependency, imported when a GGUF is actually read
+            from .gguf_read import read_gguf  # the gguf package (type tables, dequantizers): host-side only
         except ImportError:
             raise EdgeError(f"{path}: reading GGUF files needs the gguf package (pip install 'edgellm[host]')") from None
 
         self.path = Path(path)
         self.version = check_header(self.path)
         try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # ValueError, IndexError, OverflowError, ... on a damaged file
+            self.fields, self.tensors = read_gguf(self.path)
+        except EOFError as exc:
+            raise EdgeError(f"{self.path}: truncated GGUF file ({exc})") from None
+        except Exception as exc:  # ValueError, struct.error, UnicodeDecodeError, ... on a damaged file
             raise EdgeError(f"{self.path}: corrupt or truncated GGUF file ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else 'unreadable'})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        need(len(self.tensors) == len(self.reader.tensors), f"{self.path}: duplicate tensor names")
-        self._check_extents()
-
-    def _check_extents(self) -> None:
-        """Every tensor's data lies inside the file (GGUFReader clips a truncated tail silently)."""
-        size = self.path.stat().st_size
-        for tensor in self.reader.tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
-            need(end <= size and tensor.data.nbytes == int(tensor.n_bytes),
-                 f"{self.path}: truncated GGUF file (tensor {tensor.name} ends at byte {end}, the file has {size})")
 
     # ---- metadata ----
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python data (str, int, float, bool, or a list of them)."""
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise EdgeError(f"{self.path}: metadata key {key} is unreadable ({exc})") from None
+        return self.fields.get(key, default)
 
     def require(self, key: str) -> Any:
-        need(key in self.reader.fields, f"{self.path}: missing metadata key {key}")
+        need(key in self.fields, f"{self.path}: missing metadata key {key}")
         return self.get(key)
 
     def integer(self, key: str, default: int | None = None, positive: bool = True) -> int:
@@ -115,11 +99,10 @@ class GGUFFile:
         return float(value)
 
     def forget(self, prefix: str) -> None:
-        """Drop the parsed metadata under `prefix`: gguf-py keeps every array entry as its own numpy array,
-        ~100 MB for a 50k-token vocabulary, which need not sit beside the model being filled."""
-        for key in [k for k in self.reader.fields if k.startswith(prefix)]:
-            del self.reader.fields[key]
-        gc.collect()
+        """Drop the parsed metadata under `prefix` (a vocabulary's strings: ~30 MB for Gemma 3's 262k tokens),
+        which need not sit beside the model being filled."""
+        for key in [k for k in self.fields if k.startswith(prefix)]:
+            del self.fields[key]
 
     # ---- tensors ----
     def numpy_shape(self, name: str) -> tuple[int, ...]:
@@ -129,11 +112,11 @@ class GGUFFile:
         return self.tensors[name].tensor_type.name
 
     def type_histogram(self) -> Counter[str]:
-        return Counter(t.tensor_type.name for t in self.reader.tensors)
+        return Counter(t.tensor_type.name for t in self.tensors.values())
 
     def close(self) -> None:
-        self.tensors.clear()
-        self.reader = None  # drops the memory map
+        self.tensors.clear()  # drops the views, and with the last one the memory map
+        self.fields.clear()
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -172,7 +155,7 @@ class GGUFSource:
 
         tensor = self.gguf.tensors[name]
         shape = self.shape_dtype(name)[0]
-        data = np.asarray(tensor.data)  # a plain view: slicing the np.memmap subclass is slow
+        data = tensor.data
         out = np.empty(shape, dtype=np.float32)
         flat = out.reshape(-1, shape[-1]) if len(shape) > 1 else out.reshape(1, -1)
         rows = data.reshape(flat.shape[0], -1)
