@@ -28,9 +28,10 @@ browser:         ## headless Chromium for the report's browser test (apt-get ins
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: no chromium and not root: tests/test_diff_browser.py will skip (apt-get install -y chromium)"; fi; }
 
-# -n auto: one worker per core, each test file on one worker (its module fixtures built once)
+# -n auto: one worker per core, each test file on one worker (its module fixtures built once), heaviest files
+# first (tests/conftest.py)
 test: $(STAMP) browser  ## the whole test suite (what CI runs)
-	$(PYTHON) -m pytest tests -n auto --dist loadfile --durations=15
+	$(PYTHON) -m pytest tests -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: $(STAMP) browser  ## the suite without the slow end-to-end tests
 	$(PYTHON) -m pytest tests -m 'not slow'
