@@ -33,14 +33,20 @@ from .schemes import Scheme
 from .sites import matmul_weights
 
 FINER_BLOCKS = (16,)   # an int8 grid that does not fit the linears' block size: Q6_K's scales per 16 weights
+SCAN_ROWS = 64         # rows of a weight the scan fits (spread over it); the rewrite fits them all, once
 
 
 def own_scheme(w: np.ndarray, block: int) -> Scheme | None:
     """The scheme whose grid w [N, K] lies on, the fewest bits first (symmetric 4-bit, 4-bit with offsets,
-    symmetric 8-bit at `block`, then at FINER_BLOCKS); None for a weight on no such grid."""
+    symmetric 8-bit at `block`, then at FINER_BLOCKS); None for a weight on no such grid.
+
+    Judged on SCAN_ROWS rows spread over the weight: a GGUF tensor has one type, so its rows all lie on one
+    grid, and a float weight lies on none in any row (plan.py fits every row when it stores the weight, and
+    stops with an error should one be off). The whole weight would be fitted twice otherwise."""
+    rows = w[np.linspace(0, len(w) - 1, min(len(w), SCAN_ROWS)).astype(np.int64)]
     candidates = [Scheme(4, block, True), Scheme(4, block, False, True), Scheme(8, block, True)]
     candidates += [Scheme(8, b, True) for b in FINER_BLOCKS if b < block]
-    return next((s for s in candidates if fit(w, s) is not None), None)
+    return next((s for s in candidates if fit(rows, s) is not None), None)
 
 
 def _linears(src: Path, manifest: Manifest, options: QuantizeOptions) -> Iterator[tuple[WeightSite, np.ndarray, QuantSpec]]:

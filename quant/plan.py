@@ -125,8 +125,8 @@ class QuantPlan:
         if hit is None:
             if spec.method == "grid":      # its own grid, step (and offset) as the source stored them
                 kept = fit(np.asarray(w, np.float32), spec.scheme)
-                need(kept is not None, f"{site.module or site.name}: no longer on the grid it was found on "
-                                       f"({spec.scheme.label}); quantize the fp32 export again")
+                need(kept is not None, f"{site.module or site.name}: some rows lie off the grid its sampled rows "
+                                       f"lie on ({spec.scheme.label}); quantize with --block-min off")
                 qw = kept
             elif h is not None:
                 qw = gptq_quantize(w, h, spec.scheme, self.act_order)

@@ -145,3 +145,21 @@ def test_weights_all_on_8_bit_grids_are_quantized_to_4_bits_as_asked(tmp_path, c
     assert "--block-min auto" not in capsys.readouterr().err
     o = json.loads((tmp_path / "int4" / "manifest.json").read_text())["quantization"]["options"]
     assert (o["method"], o["block_min"], o["kept_grids"], o["head_int8_rows"]) == ("awq", "on", [], 1.0)  # balanced
+
+
+def test_the_scan_samples_rows_and_storing_checks_them_all() -> None:
+    """own_scheme judges SCAN_ROWS rows spread over a weight (grids.py); a weight with a row off its grid
+    between them is named, and storing it (QuantPlan.quantize, which fits every row) stops with one line."""
+    from edgellm.quant.grids import SCAN_ROWS
+    from edgellm.quant.methods import QuantSpec
+    from edgellm.quant.plan import QuantPlan, WeightSite
+    from edgellm.runtime.errors import EdgeError
+
+    w = gguf_weight(T.Q4_1, n=4 * SCAN_ROWS, k=256)
+    scheme = own_scheme(w, 32)
+    assert scheme == Scheme(4, 32, False, True)
+    w[1] = (RNG.standard_normal(256) * 0.02).astype(np.float32)  # row 1 is not among the sampled rows
+    assert own_scheme(w, 32) == scheme and fit(w, scheme) is None
+    site = WeightSite("w", "MatMul", "n", "layers.0.mlp.down", w.shape)
+    with pytest.raises(EdgeError, match=r"layers.0.mlp.down: some rows lie off the grid .* --block-min off"):
+        QuantPlan(lambda _: None).quantize(site, w, QuantSpec(scheme, "grid"))
