@@ -2,9 +2,10 @@
 
     pip install -e '.[bench]'        # onnxruntime-genai (bench-only extra)
     python bench/ortgenai.py [--models s15m,s110m,q05b] [--precision fp32] [--root /tmp/edgellm-bench] [--rounds 5]
-                             [--llamacpp] [--profile balanced|small]
+                             [--llamacpp] [--profile balanced|small] [--hf NAME=DIR]
 
-For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py), the ORT-genai model
+For each model: builds the random-weight HF checkpoint if missing (bench/make_models.py; `--hf NAME=DIR` names a
+real checkpoint's directory instead), the ORT-genai model
 (`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PREC -e cpu`, then intra_op_num_threads and
 past_present_share_buffer set in genai_config.json) and the edgellm export (`edgellm export`, plus
 `edgellm quantize` for int8/int4), then runs the anchors' workload on both — fixed pseudo-random prompt ids
@@ -210,6 +211,9 @@ def main() -> None:
                         "lm_head, g32 at accuracy level 4)")
     p.add_argument("--profile", choices=("balanced", "small"), default=None,
                    help="edgellm quantize --profile (default: what a user gets, balanced; small: the Q4_0-class int4)")
+    p.add_argument("--hf", action="append", default=[], metavar="NAME=DIR",
+                   help="model NAME is the Hugging Face directory DIR (a real checkpoint) instead of make_models' "
+                        "random weights, e.g. --models smollm2 --hf smollm2=/path/to/SmolLM2-135M-Instruct")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", nargs=1, help=argparse.SUPPRESS)
     p.add_argument("--llamacpp-child", nargs=1, help=argparse.SUPPRESS)
@@ -222,9 +226,10 @@ def main() -> None:
         print(json.dumps(llamacpp_child(args.llamacpp_child[0], contexts, args.new_tokens, args.runs, args.threads)))
         return
     report = []
+    given = dict(_named_dir(spec) for spec in args.hf)
     for name in args.models.split(","):
-        hf = args.root / "hf" / name
-        if not (hf / "tokenizer.json").is_file():
+        hf = given.get(name, args.root / "hf" / name)
+        if name not in given and not (hf / "tokenizer.json").is_file():
             _run([sys.executable, str(HERE / "make_models.py"), str(args.root / "hf"), "--only", name],
                  args.root / f"make_{name}.log")
         genai = build_genai(hf, args.root / "genai" / f"{name}-{args.precision}", args.precision, args.threads,
@@ -259,6 +264,13 @@ def main() -> None:
                       f"{statistics.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in sorted(values))})")
     if args.json:
         print(json.dumps({"schema": "edgellm-bench-ortgenai", "version": 1, "rows": report}))
+
+
+def _named_dir(spec: str) -> tuple[str, Path]:
+    name, sep, directory = spec.partition("=")
+    if not sep or not name or not (Path(directory) / "config.json").is_file():
+        sys.exit(f"--hf {spec}: expected NAME=DIR with DIR a Hugging Face directory (config.json, safetensors)")
+    return name, Path(directory)
 
 
 def _genai_rows(genai: Path, args: argparse.Namespace) -> list[dict]:

@@ -12,6 +12,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
     nbytes = weight_bytes(model)
     release_memory(nbytes)
+    if tokenizer is not None:  # xz-compressing a large vocabulary (Gemma 3's 12 MB: 10 s) on the core tracing leaves idle
+        kind = tokenizer_kind(tokenizer)
+        side = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tok_job = side.submit(copy_tokenizer, tokenizer, partial / TOKENIZER_FILES[kind], kind)
+        side.shutdown(wait=False)  # the thread ends with the job; an error comes out of tok_job.result()
     units = plan_units(model, options.granularity, options.kv_layout, tuple(dims.ring(i) for i in range(cfg.n_layers)))
     seqs = variant_seqs(options)
     rope = None
@@ -136,9 +142,8 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
              for rec in records.values() for rel, sha in rec.files.items()}
     tok_entry = None
     if tokenizer is not None:
-        kind = tokenizer_kind(tokenizer)
         rel = TOKENIZER_FILES[kind]
-        copy_tokenizer(tokenizer, partial / rel, kind)  # a tokenizer.json minified
+        tok_job.result()  # a tokenizer.json minified (and xz-compressed), written beside the units
         if template is not None:
             (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
         files |= describe_files(partial, [rel] + ([CHAT_TEMPLATE] if template is not None else []))
