@@ -10,7 +10,10 @@ onnxruntime-genai model directory (n-gram speculation, bench/speculative_peers.p
 (median over rounds), and edgellm speculative / the best peer speculative per round (median, min-max). Fails
 (exit 1) if edgellm's speculative tokens ever differ from its plain greedy tokens.
 
-edgellm's worker starts as `edgellm run` does, with glibc asked for transparent huge pages
+edgellm's "spec" column is `edgellm run --speculative auto` (greedy: lookup through the spare-row stack where this
+machine computes a verification row bit for bit as a decode step, else the lone-row stack without drafts), its
+"plain" column `--speculative off` (the lone-row stack): what a user gets either way (before 2026-11-28 both
+columns ran the spare-row stack, lookup forced). Its worker starts as `edgellm run` does, with glibc asked for transparent huge pages
 (edgellm/cli/hugepages.py); the peers run as shipped, unless --peers-huge-pages gives them the same variable.
 Each worker's MiB in huge pages after loading is printed (before 2026-11-26 the edgellm worker ran without them:
 its plain fp32 decode was 10-25 % slow).
@@ -45,12 +48,18 @@ def _open(path: Path, threads: int, k: int, draft_tokens: int | None):
     if kind == "edgellm":
         from speculative import run_case
 
-        from edgellm.runtime.generator import Generator
+        from edgellm.cli.speculation import open_generator
+        from edgellm.runtime.manifest import read_manifest
         from edgellm.runtime.session import SessionConfig
 
-        gen = Generator.open(path, config=SessionConfig(threads=threads, shared_pool=True))
-        return {mode: (lambda ids, n, m=m: run_case(gen, ids, m, n, draft_tokens)) for mode, m in (("plain", "off"),
-                                                                                        ("spec", "lookup"))}
+        # as `edgellm run` opens the export: "spec" is `--speculative auto` (the spare-row stack, lookup where this
+        # machine's rows are exact, else the lone-row stack and no drafts), "plain" `--speculative off` (lone-row)
+        config, manifest = SessionConfig(threads=threads, shared_pool=True), read_manifest(path)
+        spec, known = open_generator(path, manifest, config, "auto", 0.0, "auto")
+        plain, _ = open_generator(path, manifest, config, "auto", 0.0, "off")
+        auto = "lookup" if spec.engine.exact_rows and known is not None and known.exact else "off"
+        return {"plain": lambda ids, n: run_case(plain, ids, "off", n, draft_tokens),
+                "spec": lambda ids, n: run_case(spec, ids, auto, n, draft_tokens)}
     from speculative_peers import decode, genai_models
 
     if kind == "genai":
