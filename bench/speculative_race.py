@@ -48,7 +48,7 @@ def _open(path: Path, threads: int, k: int, draft_tokens: int | None):
     if kind == "edgellm":
         from speculative import run_case
 
-        from edgellm.cli.speculation import open_generator
+        from edgellm.cli.speculation import auto_mode, open_generator
         from edgellm.runtime.manifest import read_manifest
         from edgellm.runtime.session import SessionConfig
 
@@ -57,7 +57,7 @@ def _open(path: Path, threads: int, k: int, draft_tokens: int | None):
         config, manifest = SessionConfig(threads=threads, shared_pool=True), read_manifest(path)
         spec, known = open_generator(path, manifest, config, "auto", 0.0, "auto")
         plain, _ = open_generator(path, manifest, config, "auto", 0.0, "off")
-        auto = "lookup" if spec.engine.exact_rows and known is not None and known.exact else "off"
+        auto = auto_mode(spec.engine, known)
         return {"plain": lambda ids, n: run_case(plain, ids, "off", n, draft_tokens),
                 "spec": lambda ids, n: run_case(spec, ids, auto, n, draft_tokens)}
     from speculative_peers import decode, genai_models

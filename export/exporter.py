@@ -37,7 +37,7 @@ from .e2e import check_end_to_end
 from .fused_heads import attention_record, cache_head_dim
 from .graphs import Unit, plan_units
 from .journal import Journal, UnitRecord, export_identity
-from .memory import release_memory, weight_bytes
+from .memory import release_memory
 from .options import ExportOptions
 from .tokenizer_files import (
     CHAT_TEMPLATE,
@@ -104,12 +104,13 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
 
     partial = out.with_name(out.name + ".partial")
     journal = Journal.open(partial, export_identity(model.cfg, parts.tensors(), options), log)
-    nbytes = weight_bytes(model)
-    release_memory(nbytes)
+    n_params = cfg.n_params()
+    release_memory(n_params)
     if tokenizer is not None:  # xz-compressing a large vocabulary (Gemma 3's 12 MB: 10 s) on the core tracing leaves idle
         kind = tokenizer_kind(tokenizer)
+        tok_file = TOKENIZER_FILES[kind]
         side = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        tok_job = side.submit(copy_tokenizer, tokenizer, partial / TOKENIZER_FILES[kind], kind)
+        tok_job = side.submit(copy_tokenizer, tokenizer, partial / tok_file, kind)
         side.shutdown(wait=False)  # the thread ends with the job; an error comes out of tok_job.result()
     units = plan_units(model, options.granularity, options.kv_layout, tuple(dims.ring(i) for i in range(cfg.n_layers)))
     seqs = variant_seqs(options)
@@ -134,7 +135,7 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
                 known = records["head"].refs() if unit.role == "embed" and "head" in records else {}
                 with parts.holding(unit.weight_prefixes):
                     rec = export_unit(model, unit, partial, dims, options, known, lambda _: bar.update(1), rope)
-                release_memory(nbytes)  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
+                release_memory(n_params)  # this unit's copies (onnx_ir graphs are cycles) before the next unit's
                 journal.record(unit.stem, rec)
             records[unit.stem] = rec
 
@@ -142,12 +143,11 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
              for rec in records.values() for rel, sha in rec.files.items()}
     tok_entry = None
     if tokenizer is not None:
-        rel = TOKENIZER_FILES[kind]
         tok_job.result()  # a tokenizer.json minified (and xz-compressed), written beside the units
         if template is not None:
             (partial / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
-        files |= describe_files(partial, [rel] + ([CHAT_TEMPLATE] if template is not None else []))
-        tok_entry = {"file": rel, "kind": kind, "chat_template": CHAT_TEMPLATE if template is not None else None,
+        files |= describe_files(partial, [tok_file] + ([CHAT_TEMPLATE] if template is not None else []))
+        tok_entry = {"file": tok_file, "kind": kind, "chat_template": CHAT_TEMPLATE if template is not None else None,
                      "add_bos": bool(add_bos)}
     verification = {name: d for rec in records.values() for name, d in rec.verification.items()}
     manifest = Manifest(
@@ -161,13 +161,13 @@ def export_model(model: Decoder, out: Path, options: ExportOptions, tokenizer: P
         verification=verification, kv_head_dim=kv_head_dim,
         kv_cache_rows=dims.rows if any(r != dims.max_seq for r in dims.rows) else None, kv_dtype=options.kv_dtype,
         sliding_cache=options.sliding_cache, format_version=version)
-    release_memory(nbytes)
+    release_memory(n_params)
     e2e = check_end_to_end(parts, partial, manifest, options.seed)
     need(e2e <= options.tolerance, f"end-to-end: onnxruntime logits differ from the PyTorch forward by {e2e:.3g} "
                                    f"> --atol {options.tolerance:g} (chunked prefill + decode, the runtime's Engine)")
     manifest = replace(manifest, verification={**verification, "end_to_end": e2e})
     if options.kv_layout == "inplace" and options.prefill_chunk > 1:
-        release_memory(nbytes)  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
+        release_memory(n_params)  # the check runs the whole model in onnxruntime (~1x the weights): nothing else left
         manifest = _add_stack(partial, manifest, options.seed)
 
     if out.is_dir() and not any(out.iterdir()):

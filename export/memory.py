@@ -6,8 +6,8 @@ Two things keep freed memory resident (measured on a Qwen2.5-0.5B-shaped export,
 - glibc keeps freed blocks below its mmap threshold (which grows to 32 MB after a large block is freed) in
   its heaps: 0.92 GB of [heap] stayed resident after the export had freed everything, and that floor sat
   under the runtime check that needs ~1x the weights.
-`release_memory(nbytes)` runs the collector and, on glibc, `malloc_trim(0)` (returns every free page to the OS),
-for models of at least RELEASE_MIN_BYTES of weights. Below that nothing a step leaves behind matters, while a full
+`release_memory(n_params)` runs the collector and, on glibc, `malloc_trim(0)` (returns every free page to the OS),
+for models of at least RELEASE_MIN_PARAMS parameters (64 MB of float32 weights). Below that nothing a step leaves behind matters, while a full
 collection costs 0.1-0.3 s in a process holding torch, onnx and transformers (seven per export: a third of a
 two-layer model's export time).
 """
@@ -18,8 +18,6 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-
-import torch
 
 
 @functools.cache
@@ -32,17 +30,13 @@ def _trim():
         return None
 
 
-RELEASE_MIN_BYTES = 64 << 20
+RELEASE_MIN_PARAMS = 16 << 20  # 64 MB of float32 (export takes float32 weights only)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes of `model`'s parameters (meta tensors count what they will hold: a lazy load's model)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def release_memory(nbytes: int) -> None:
-    """Collect and trim after a step of an export whose weights take `nbytes` (nothing below RELEASE_MIN_BYTES)."""
-    if nbytes < RELEASE_MIN_BYTES:
+def release_memory(n_params: int) -> None:
+    """Collect and trim after a step of exporting a model of `n_params` (`ModelConfig.n_params()`; nothing below
+    RELEASE_MIN_PARAMS)."""
+    if n_params < RELEASE_MIN_PARAMS:
         return
     gc.collect()
     trim = _trim()

@@ -90,6 +90,15 @@ def note_no_lone_stack(manifest, choice: str, directory: Path) -> None:
               "decoding with the exact one. Quantize or export it again with this edgellm for one]", file=sys.stderr)
 
 
+def auto_mode(engine, known, sampled: bool = False) -> str:
+    """What `--speculative auto` runs on an opened engine: for a `sampled` run lookup wherever the stack verifies
+    rows in one call; for greedy, lookup only where a verification row is bit for bit a decode step — built so
+    (`Engine.exact_rows`) and measured so here (`known`, open_generator's Verdict) — else off."""
+    if sampled:
+        return "lookup" if engine.any_rows else "off"
+    return "lookup" if engine.exact_rows and known is not None and known.exact else "off"
+
+
 def speculate(gen, args: argparse.Namespace, config, sampled: bool = False, known=None) -> None:
     """Apply --speculative / --draft / --draft-tokens to an opened Generator. auto: for a `sampled` run, lookup
     wherever the stack verifies rows in one call (the lone-row stack too: rejection sampling keeps the
@@ -99,16 +108,13 @@ def speculate(gen, args: argparse.Namespace, config, sampled: bool = False, know
     mode = args.speculative
     if mode == "auto":
         engine = gen.engine
-        if sampled:
-            mode = "lookup" if engine.any_rows else "off"
-        else:
-            mode = "lookup" if engine.exact_rows and known is not None and known.exact else "off"
-            if known is not None and not known.exact:
-                from edgellm.runtime.rows_memo import memo_path
+        mode = auto_mode(engine, known, sampled)
+        if not sampled and known is not None and not known.exact:
+            from edgellm.runtime.rows_memo import memo_path
 
-                where = f"remembered in {memo_path()}" if known.remembered else "measured now, remembered"
-                lone = "; decoding through the lone-row stack" if engine.stack_role == "stack_lone" else ""
-                print(f"[--speculative auto: off: this CPU computes a verification row {known.diff:.2g} away from a "
-                      f"decode step ({where}), so greedy speculation could change the text at a near-tie{lone}; "
-                      "--speculative lookup uses it anyway]", file=sys.stderr)
+            where = f"remembered in {memo_path()}" if known.remembered else "measured now, remembered"
+            lone = "; decoding through the lone-row stack" if engine.stack_role == "stack_lone" else ""
+            print(f"[--speculative auto: off: this CPU computes a verification row {known.diff:.2g} away from a "
+                  f"decode step ({where}), so greedy speculation could change the text at a near-tie{lone}; "
+                  "--speculative lookup uses it anyway]", file=sys.stderr)
     gen.speculate(mode, args.draft, args.draft_tokens, config)
