@@ -18,7 +18,9 @@ every linear already on a llama.cpp grid (a model converted from a GGUF, grids.p
   head) at 30 %, 0.99x at 10 %, 1.01x with an int4 head (whose KL on Gemma is 0.237: too close to Q4_0's).
 - On grids (both): the linears kept exactly (method "grid"), 45 % of the table's rows int8 (its int4 rows are most
   of the error left: Gemma 3 270M KL 0.0110 -> 0.0031 for +11 MB), no int8 fraction (a kept grid holds nothing more
-  to recover), float32 scales (released once packed: less peak RSS).
+  to recover); `balanced` float32 scales (released once packed: less peak RSS), `small` float16 ones: with float32
+  scales it was the default's size, above Q4_0's (SmolLM2 on its Q4_1 grid 105.0 MB vs Q4_0 91.7; float16 91.1 MB,
+  Gemma 3 on its Q4_K_M grids 240.9 vs 241.4, the same KL, 2026-11-27/28).
 --bits 8: AWQ's clip search on float weights (SmolLM2 off its grid 0.0055 vs Q8_0 0.0059 at 22:05); on a grid
 rounded to nearest, which keeps Q8_0 / Q5_0 tensors exactly (Gemma 3: 0.0031 vs AWQ 0.0033, Q8_0 0.0032).
 """
@@ -37,9 +39,12 @@ PROFILES: dict[str, dict[int, dict[str, Any]]] = {
     "small": {4: {"method": "awq", "block_min": "off", "scales_dtype": "auto", "lm_head": "int8",
                   "head_int8_rows": 0.1, "int8_fraction": 0.0, "kv_dtype": "auto"}},
 }
-ON_GRIDS: dict[int, dict[str, Any]] = {4: {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"},
-                                       8: {"method": "rtn"}}
-GRID_FIELDS = frozenset(k for d in ON_GRIDS.values() for k in d)   # what QuantizeOptions.on_grids may set
+_GRIDS_4 = {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"}
+ON_GRIDS: dict[str, dict[int, dict[str, Any]]] = {
+    "balanced": {4: _GRIDS_4, 8: {"method": "rtn"}},
+    "small": {4: {**_GRIDS_4, "scales_dtype": "float16"}},   # Q4_0's class: under its size on a grid too
+}
+GRID_FIELDS = frozenset(k for p in ON_GRIDS.values() for d in p.values() for k in d)  # QuantizeOptions.on_grids's
 OFFSET_METHODS = ("mse", "awq")   # the methods that search block offsets (rtn takes min..max, gptq none)
 
 
@@ -60,6 +65,6 @@ def defaults(bits: int, profile: str, given: dict[str, Any], format: str, symmet
     splittable = out["lm_head"] == "int8" and format == "fast"
     if "head_int8_rows" not in given and not splittable:
         out["head_int8_rows"] = 1.0
-    grids = {k: v for k, v in ON_GRIDS.get(bits, {}).items()
+    grids = {k: v for k, v in ON_GRIDS[profile].get(bits, {}).items()
              if k not in given and (k != "head_int8_rows" or splittable)}
     return out, tuple(sorted(grids.items()))

@@ -121,6 +121,18 @@ def test_a_q4_k_m_like_mix_comes_back_exactly(mix_export, tmp_path, capsys) -> N
         (8, 32, False), (4, 32, True), (8, 16, False)}
     assert main(["info", str(out)]) == 0
     assert "on their own grids (3 4-bit, 3 of them with block minima; 5 8-bit)" in capsys.readouterr().out
+    # --profile small keeps the same grids with float16 scales and offsets: a smaller file (Q4_0's class)
+    small = tmp_path / "small"
+    assert main(["quantize", str(mix_export), "-o", str(small), "--bits", "4", "--profile", "small", "--no-progress",
+                 "--no-check"]) == 0
+    s_record = json.loads((small / "manifest.json").read_text())["quantization"]
+    assert (s_record["options"]["method"], s_record["options"]["scales_dtype"]) == ("grid", "float16")
+    assert {n: (w["bits"], w["block_size"], w["offsets"]) for n, w in s_record["weights"].items()} == {
+        n: (w["bits"], w["block_size"], w["offsets"]) for n, w in record["weights"].items()}
+
+    def data_bytes(d):
+        return sum(f.stat().st_size for f in d.glob("*.data"))
+    assert data_bytes(small) < data_bytes(out)
     # the graphs compute it: closer to the mix model than a second rounding (AWQ's) gets
     off = tmp_path / "off"
     assert main(["quantize", str(mix_export), "-o", str(off), "--bits", "4", "--block-min", "off", "--no-progress",

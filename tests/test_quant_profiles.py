@@ -21,8 +21,9 @@ def test_cli_defaults_per_profile() -> None:
     assert tuple(getattr(b4, f) for f in fields) == ("awq", "on", "float16", "int8", 1.0, 0.15, 32, True)
     assert tuple(getattr(s4, f) for f in fields) == ("awq", "off", "auto", "int8", 0.1, 0.0, 32, True)
     assert tuple(getattr(o8, f) for f in fields) == ("awq", "off", "auto", "int8", 1.0, 0.0, 32, True)
-    assert dict(b4.on_grids) == dict(s4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0,
-                                                      "scales_dtype": "auto"}
+    assert dict(b4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"}
+    # small stays Q4_0's class on a grid too: its scales stored float16 (the default's size with float32 ones)
+    assert dict(s4.on_grids) == {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "float16"}
     assert dict(o8.on_grids) == {"method": "rtn"} and opts("--bits", "8", "--method", "rtn").on_grids == ()
     given = opts("--bits", "4", "--int8-fraction", "0.2", "--lm-head-int8-rows", "0.5", "--scales-dtype", "float32")
     assert (given.int8_fraction, given.head_int8_rows, given.scales_dtype, given.on_grids) == (0.2, 0.5, "float32", ())
@@ -33,7 +34,7 @@ def test_cli_defaults_per_profile() -> None:
         assert o.method == (flags[1] if flags[0] == "--method" else "awq"), flags   # symmetric: AWQ unless given
     assert opts("--bits", "4", "--format", "portable").head_int8_rows == 1.0
     assert opts("--bits", "4", "--profile", "small", "--format", "portable").on_grids == (
-        ("int8_fraction", 0.0), ("scales_dtype", "auto"))          # no head to split: its rows are not set on grids
+        ("int8_fraction", 0.0), ("scales_dtype", "float16"))       # no head to split: its rows are not set on grids
     assert opts("--bits", "4", "--profile", "small", "--block-min", "on").method == "awq"
     small = opts("--bits", "4", "--int8-fraction", "0", "--method", "rtn", "--lm-head", "int4")
     assert (small.method, small.head, small.int8_fraction, small.head_int8_rows) == ("rtn", "int4", 0.0, 1.0)
