@@ -14,11 +14,12 @@ from pathlib import Path
 
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.session import SessionConfig
 from edgellm.runtime.speculative import rows_exact_here
 
 
 def main(directory: Path) -> None:
-    engine = Engine.open(directory, read_manifest(directory))
+    engine = Engine.open(directory, read_manifest(directory), SessionConfig(exact=True))
     equal, diff = rows_exact_here(engine)
     print(json.dumps({"stack": engine.stack_role, "exact_rows": engine.exact_rows, "rows_equal": equal,
                       "max_diff": diff}))

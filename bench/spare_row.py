@@ -36,6 +36,7 @@ from edgellm.layout.lone import lone_rows
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.fileio import describe_files
 from edgellm.runtime.manifest import read_manifest
+from edgellm.runtime.session import SessionConfig
 
 
 def without_spare_row(src: Path, out: Path) -> int:
@@ -53,7 +54,7 @@ def row_difference(directory: Path, tokens: list[int]) -> float:
     """max |logits of tokens[-1] decoded alone - its row in a two-row call|, after the same prefix."""
     rows = []
     for n in (1, 2):
-        engine = Engine.open(directory, read_manifest(directory, verify=False))
+        engine = Engine.open(directory, read_manifest(directory, verify=False), SessionConfig(exact=True))
         engine.forward(tokens[:-1])
         rows.append((engine.forward(tokens[-1:]) if n == 1 else engine.few_rows([tokens[-1], tokens[0]])[0]).copy())
     return float(np.abs(rows[0] - rows[1]).max())

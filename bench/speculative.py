@@ -90,7 +90,7 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
 
-    gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True))
+    gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True, exact=True))
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
     settings = ["off", *(f"k{k}" for k in ks)]  # plain, then lookup at each k_max
     costs = {s: Costs() for s in settings[1:]}  # each k_max its own estimates, as in a process of its own

@@ -24,10 +24,13 @@ are computed, not which: greedy picks plain decoding's tokens (bit for bit on ex
 decode steps, `Engine.exact_rows`: fused layers, format 10), sampling keeps the distribution, and
 `Result.speculative` counts drafted and accepted tokens. Off by default here (the CLI's `run` turns lookup on
 where `exact_rows` holds and `speculative.rows_exact_here` measures it so on this CPU, once per export and machine:
-`--speculative auto`, rows_memo.py, edgellm/cli/speculation.py). A
-Generator that only samples can open the export's lone-row stack (`config=SessionConfig(exact=False)`, format 13:
-8-27 % faster decode; `exact_rows` is then False), as the CLI does for temperature > 0; an int8-cache export
-(format 15) opens it always, its rows being exact (variant.LONE_EXACT).
+`--speculative auto`, rows_memo.py, edgellm/cli/speculation.py). Which stack decodes (`SessionConfig.exact`): by
+default the export's lone-row stack (format 13: 8-27 % faster decode than with the spare attention row) until
+`speculate` turns speculation on, which reopens the engine on the spare-row stack once (`exact_engine`; a tenth of
+a second at SmolLM2-135M int4, more at larger models: open with `SessionConfig(exact=True)` to start there);
+`exact=False` keeps the lone-row stack whatever happens (a Generator that only samples: rejection sampling needs
+no bitwise rows; `exact_rows` is then False). An int8-cache export (format 15) opens the lone-row stack always,
+its rows being exact (variant.LONE_EXACT).
 
 Generation stops on EOS (any of the manifest's `eos_ids`; `ignore_eos=True` for benchmarks), a stop string, after
 `max_new_tokens`, or when the static context is full: runtime/transcript.py.
@@ -36,6 +39,7 @@ Generation stops on EOS (any of the manifest's `eos_ids`; `ignore_eos=True` for 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from time import perf_counter
@@ -58,6 +62,7 @@ from .speculative import Stats, configure, speculation_off, speculative_tokens
 from .stats import make_timings, peak_rss_mb
 from .tokenizer import Tokenizer, load_tokenizer
 from .transcript import Transcript
+from .variant import stack_role
 
 
 def export_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
@@ -143,6 +148,20 @@ class Generator:
         `timed` False: how many tokens to draft follows from the tokens alone, not from measured step times
         (the same drafts on any machine and load; greedy text is plain decoding's either way)."""
         configure(self, speculative, draft, draft_tokens, config, timed)
+
+    def exact_engine(self) -> bool:
+        """Reopen the engine on the export's spare-row stack when it was opened with `SessionConfig.exact` None and
+        decodes through the lone-row one (speculation is being set up: greedy speculation keeps plain decoding's
+        tokens only where each decode step is a verification row). The context stays: the cache is the
+        Generator's. Returns whether it reopened."""
+        config = self.engine.config
+        exact = dataclasses.replace(config, exact=True)
+        if config.exact is not None or stack_role(self.manifest, exact) == self.engine.stack_role:
+            return False
+        self.engine = None
+        gc.collect()  # the lone stack's packed weights go before the spare-row stack packs its own
+        self.engine = Engine(self.directory, self.manifest, self.cache, exact, self.clock)
+        return True
 
     # ------------------------------------------------------------------------------------------ prompts
 

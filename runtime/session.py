@@ -49,11 +49,13 @@ class SessionConfig:
     arena: bool = False              # onnxruntime's CPU arena for intermediate tensors
     optimization: Literal["disable", "basic", "extended", "all"] = "all"  # graph optimisation level
     stack: bool = True               # run an export's stack graph when it has one (else embed + layers)
-    # each decode step computes its row as a speculative verification does (the stack's spare attention row):
-    # greedy speculation then keeps plain decoding's tokens. False: the lone-row stack where the export has
+    # True: each decode step computes its row as a speculative verification does (the stack's spare attention
+    # row): greedy speculation then keeps plain decoding's tokens. False: the lone-row stack where the export has
     # one (format 13, edgellm/layout/lone.py), 8-27 % faster decode, for sampling (rejection sampling needs no
-    # bitwise rows)
-    exact: bool = True
+    # bitwise rows) and plain decoding. None (the default): the lone-row stack until speculation is set up
+    # (`Generator.speculate` then reopens the engine on the spare-row stack): an app that decodes plainly does
+    # not pay for a row only speculation needs
+    exact: bool | None = None
     # which stack graph to open, whatever `exact` and the cache type would pick (variant.stack_role): the checks
     # that compare the two stacks of one export (edgellm/layout/stacking.check_lone); "auto" everywhere else
     stack_graph: Literal["auto", "stack", "stack_lone"] = "auto"
@@ -68,6 +70,7 @@ class SessionConfig:
              f"prepack_prefill: expected true, false or null, got {self.prepack_prefill!r}")
         need(self.optimization in _LEVELS,
              f"graph optimisation: expected one of {', '.join(_LEVELS)}, got {self.optimization!r}")
+        need(self.exact in (None, True, False), f"exact: expected true, false or null, got {self.exact!r}")
         need(self.stack_graph in ("auto", "stack", "stack_lone"),
              f"stack_graph: expected auto, stack or stack_lone, got {self.stack_graph!r}")
 

@@ -122,10 +122,12 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
         tok = gen.manifest.tokenizer
         target = safe_join(gen.directory, tok["file"]) if tok is not None else None
         model = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
+    # an engine opened with `SessionConfig.exact` None decoded through the lone-row stack: now the spare-row one
+    reopened = speculative != "off" and gen.exact_engine()
     # costs measured so far stay valid while the engine and the drafter's own cost stay: kept across "off" /
     # "lookup" switches (a benchmark alternating them, a chat toggling it), measured again for a draft export
     no_draft_export = model is None and gen._draft is None  # before and after: the drafter's cost is unchanged
-    keep = timed and no_draft_export and gen.costs is not None
+    keep = timed and no_draft_export and gen.costs is not None and not reopened
     if not keep:
         gen.costs = Costs() if timed else None
     gen.speculative, gen.draft_tokens, gen._draft = speculative, draft_tokens, model

@@ -46,14 +46,14 @@ LONE_EXACT = ("int8",)
 
 def stack_role(manifest: Manifest, config: SessionConfig) -> str:
     """Which stack an Engine that runs one opens: "stack_lone" (no spare attention row, format 13;
-    edgellm/layout/lone.py) when the export has it and `config.exact` is off or the cache type makes it exact
+    edgellm/layout/lone.py) when the export has it and `config.exact` is not True or the cache type makes it exact
     (LONE_EXACT: its rows are then the stack's, bit for bit, without the spare row's cost), else "stack";
     `config.stack_graph` other than "auto" names the one to open."""
     if config.stack_graph != "auto":
         need(config.stack_graph == "stack" or manifest.has_lone_stack,
              "stack_graph: stack_lone asked for, but the export has no lone-row stack (manifest format 13)")
         return config.stack_graph
-    lone_ok = not config.exact or manifest.kv_dtype in LONE_EXACT
+    lone_ok = config.exact is not True or manifest.kv_dtype in LONE_EXACT
     return "stack_lone" if lone_ok and manifest.has_lone_stack else "stack"
 
 

@@ -102,7 +102,8 @@ def greedy_steps(engine, prompt: list[int], n: int) -> tuple[list[int], np.ndarr
 
 
 def assert_exact_speculation(directory, prompt: list[int]):
-    """Through the Engine a default Generator opens: 16 greedy decode steps equal their rows of verifications of 8,
+    """Through the spare-row stack (`SessionConfig(exact=True)`: what a Generator decodes through once speculation
+    is on): 16 greedy decode steps equal their rows of verifications of 8,
     bit for bit, and greedy lookup speculation gives plain decoding's 32 tokens (accepting some drafts); or, where
     this CPU's 4-bit kernel computes a lone row differently, the runtime's probe sees it (rows_helpers.py).
     Returns the Engine."""
@@ -112,13 +113,13 @@ def assert_exact_speculation(directory, prompt: list[int]):
     from edgellm.runtime.sampling import SamplingParams, StopParams
     from tests.rows_helpers import assert_rows_exact
 
-    engine = Engine.open(directory, read_manifest(directory))
+    engine = Engine.open(directory, read_manifest(directory), SessionConfig(exact=True))
     fed, steps = greedy_steps(engine, prompt, 16)
     rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
     assert engine.exact_rows
     if not assert_rows_exact(engine, rows, steps):    # this CPU's 4-bit kernel (tests/rows_helpers.py)
         return engine
-    gen, greedy = Generator.open(directory), SamplingParams(temperature=0)
+    gen, greedy = Generator.open(directory, config=SessionConfig(exact=True)), SamplingParams(temperature=0)
     plain = gen.complete(prompt, greedy, StopParams(32), ignore_eos=True, text=False).token_ids
     gen.speculate("lookup", timed=False)
     spec = gen.complete(prompt, greedy, StopParams(32), ignore_eos=True, text=False)

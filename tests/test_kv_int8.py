@@ -107,13 +107,14 @@ def test_the_lone_row_stack_is_exact_with_an_int8_cache(exports, name: str) -> N
     d = exports[name]
     m = read_manifest(d)
     assert m.verification["lone_vs_stack"] == 0.0  # quantize's own check: bit for bit
-    # the default (exact) config opens the lone-row stack: its rows are exact
+    # the exact config opens the lone-row stack: its rows are exact
     assert assert_exact_speculation(d, PROMPT).stack_role == "stack_lone"
 
 
 def test_an_fp32_cache_keeps_the_spare_row_stack_for_exact_rows(exports) -> None:
     d = exports["fp32"]
-    assert Engine.open(d, read_manifest(d)).stack_role == "stack"
+    assert Engine.open(d, read_manifest(d), SessionConfig(exact=True)).stack_role == "stack"
+    assert Engine.open(d, read_manifest(d)).stack_role == "stack_lone"    # the default: until speculation is on
     lone = Engine.open(d, read_manifest(d), SessionConfig(exact=False))
     assert lone.stack_role == "stack_lone" and not lone.exact_rows
 

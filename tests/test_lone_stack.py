@@ -75,6 +75,40 @@ def test_the_engine_opens_it_only_when_asked(fp32: Path) -> None:
     assert not layers.stacked and np.array_equal(layers.forward(PROMPT), exact_last(fp32, m))
 
 
+def test_a_default_generator_decodes_through_it_until_speculation_is_on(fp32: Path) -> None:
+    """`SessionConfig.exact` None (the API's default): plain decoding runs the lone-row stack (no spare row to pay
+    for); `speculate` reopens the engine on the spare-row stack once, keeping the context, so greedy speculation
+    then gives the tokens plain decoding through that stack gives; `exact=False` is never reopened."""
+    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+
+    greedy, stop = SamplingParams(temperature=0), StopParams(12)
+    gen = Generator.open(fp32)
+    assert (gen.engine.stack_role, gen.engine.exact_rows) == ("stack_lone", False)
+    lone_first = gen.engine
+    first = gen.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids
+    gen.speculate("off")
+    assert gen.engine is lone_first                      # "off" needs no spare row
+    gen.speculate("lookup", timed=False)
+    assert (gen.engine.stack_role, gen.engine.exact_rows) == ("stack", True) and gen.engine.config.exact
+    # the context survived the reopen: a kept-context continuation decodes after the first answer's rows
+    more = gen.complete([5], greedy, stop, ignore_eos=True, keep_context=True, text=False)
+    assert gen.cache.length == len(PROMPT) + len(first) + len(more.token_ids)
+    spec = gen.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids
+    reopened = gen.engine
+    gen.speculate("off")
+    gen.speculate("lookup", timed=False)
+    assert gen.engine is reopened                         # once
+    assert gen.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids == spec
+    exact_plain = Generator.open(fp32, config=SessionConfig(exact=True))
+    assert exact_plain.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids == spec
+    sampled = Generator.open(fp32, config=SessionConfig(exact=False))
+    sampled.speculate("lookup")
+    assert sampled.engine.stack_role == "stack_lone"
+    with pytest.raises(EdgeError, match="exact: expected true, false or null, got 'yes'"):
+        SessionConfig(exact="yes").validate()
+
+
 def test_a_named_stack_graph_is_the_one_opened(fp32: Path) -> None:
     """`SessionConfig.stack_graph` overrides what `exact` and the cache type pick (the stacks' comparison uses it);
     asking for a lone stack an export does not have is a one-line error."""

@@ -56,7 +56,7 @@ def test_stack_graph_runs_what_the_layer_graphs_run(tied, tmp_path) -> None:
     portable = quantize(src, tmp_path / "q4p", bits=4, group_size=32, format="portable")
     assert read_manifest(src).has_stack and not read_manifest(portable).has_stack
     for directory in (src, q):
-        stacked = Generator.open(directory, config=SessionConfig(threads=1)).engine
+        stacked = Generator.open(directory, config=SessionConfig(threads=1, exact=True)).engine
         layered = Generator.open(directory, config=SessionConfig(threads=1, stack=False)).engine
         assert [g.where for g in stacked.decode.graphs] == ["stack.decode", "head.decode"]
         assert [g.where for g in stacked.prefill.graphs] == ["stack.prefill"]
@@ -87,7 +87,7 @@ def test_lookup_tables_are_released_between_steps(tied, tmp_path) -> None:
     _, src = tied
     # an fp32 lm_head: the lookup gets an int8 row table of its own (a quantized head shares its table)
     q = quantize(src, tmp_path / "q4", bits=4, group_size=32, lm_head="fp32")
-    engine = Generator.open(q, config=SessionConfig(threads=1)).engine
+    engine = Generator.open(q, config=SessionConfig(threads=1, exact=True)).engine
     assert engine.placement["stack.decode"].tables == ("embed.data",) and engine.tables == ("embed.data",)
     engine.forward(list(range(1, 12)))  # two prefill chunks
 
@@ -184,7 +184,7 @@ def test_float32_scales_leave_the_rss_once_packed(tied, tmp_path) -> None:
     scales = {n.attribute[[a.name for a in n.attribute].index("bits")].i: dtypes.get(n.input[2])
               for n in stack.graph.node if n.op_type == "MatMulNBits"}
     assert scales == {4: onnx.TensorProto.FLOAT, 8: None}  # int8's: a Cast's output
-    engines = [Generator.open(d, config=SessionConfig(threads=1)).engine for d in (auto, half)]
+    engines = [Generator.open(d, config=SessionConfig(threads=1, exact=True)).engine for d in (auto, half)]
     place = engines[0].placement["stack.decode"]
     assert place.prepack and place.packed_files and engines[1].placement["stack.decode"].packed_files == ()
     files = [Path(f).name for f in place.packed_files]

@@ -81,7 +81,7 @@ def _bench_stack(export: Path, *flags: str) -> None:
 def test_the_first_greedy_run_measures_and_every_run_decodes_through_one_stack(int4: Path, capsys) -> None:
     """Whatever this CPU's 4-bit kernels do (AVX2-only x86: a lone row differs; AVX-512: alike), the verdict the
     first run keeps is the runtime's probe's, and greedy runs open the spare-row stack iff it holds."""
-    probe = rows_exact_here(Generator.open(int4, config=SessionConfig(threads=2)).engine)
+    probe = rows_exact_here(Generator.open(int4, config=SessionConfig(threads=2, exact=True)).engine)
     args = ["run", str(int4), "--prompt-ids", PROMPT, "--max-new-tokens", "8", "--temperature", "0", "--threads",
             "2", "--json"]
     assert main(args) == 0

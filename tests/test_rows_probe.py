@@ -23,9 +23,9 @@ def export(tmp_path_factory) -> Path:
 
 
 def test_the_probe_finds_exact_rows_here_and_leaves_no_trace(export: Path) -> None:
-    fresh = Generator.open(export).complete(PROMPT, SamplingParams(temperature=0), StopParams(16), ignore_eos=True,
+    fresh = Generator.open(export, config=SessionConfig(exact=True)).complete(PROMPT, SamplingParams(temperature=0), StopParams(16), ignore_eos=True,
                                             text=False).token_ids
-    gen = Generator.open(export)
+    gen = Generator.open(export, config=SessionConfig(exact=True))   # the spare-row stack
     gen.complete(PROMPT[:5], SamplingParams(temperature=0), StopParams(3), ignore_eos=True, text=False)
     before = (gen.cache.length, [k.copy() for k in gen.cache.keys])
     assert rows_exact_here(gen.engine) == (True, 0.0)  # x86: the spare-row stack's rows are exact

@@ -16,6 +16,7 @@ from edgellm.export import ExportOptions, export_model
 from edgellm.runtime.errors import EdgeError
 from edgellm.runtime.generator import Generator
 from edgellm.runtime.sampling import SamplingParams, StopParams
+from edgellm.runtime.session import SessionConfig
 from tests.export_helpers import greedy_steps, tiny_model
 
 OPTIONS = dict(max_seq=96, prefill_chunk=8)
@@ -53,7 +54,7 @@ def greedy_ids(gen: Generator, mode: str, prompt=PROMPT, **kw) -> tuple[list[int
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_greedy_speculation_gives_the_plain_tokens(case, tmp_path: Path) -> None:
     out = export(tmp_path, *case)
-    gen = Generator.open(out)
+    gen = Generator.open(out, config=SessionConfig(exact=True))   # plain decoding through the spare-row stack too
     plain, none = greedy_ids(gen, "off")
     got, stats = greedy_ids(gen, "lookup")
     assert none is None and got == plain
@@ -90,7 +91,7 @@ def test_verification_rows_are_the_decode_steps_bitwise(llama: Path, tmp_path: P
     out = {"fp32": lambda: llama, "int4": lambda: quantize(llama, tmp_path / "int4", bits=4, method="rtn"),
            "fp32-tied": tied, "int4-split-head": lambda: split(llama),
            "int4-split-tied": lambda: split(tied())}[case]()
-    engine = Engine.open(out, read_manifest(out))
+    engine = Engine.open(out, read_manifest(out), SessionConfig(exact=True))   # the spare-row stack
     fed, steps = greedy_steps(engine, PROMPT, 24)
     rows = np.concatenate([engine.few_rows(fed[i:i + 8]).copy() for i in range(0, len(fed), 8)])
     assert engine.any_rows
@@ -103,7 +104,7 @@ def test_verifications_of_any_size_share_one_logits_buffer(llama: Path) -> None:
     from edgellm.runtime.engine import Engine
     from edgellm.runtime.manifest import read_manifest
 
-    engine = Engine.open(llama, read_manifest(llama))
+    engine = Engine.open(llama, read_manifest(llama), SessionConfig(exact=True))
     fed, steps = greedy_steps(engine, PROMPT, 18)
     engine.reserve_rows(4)
     rows, at = [], 0

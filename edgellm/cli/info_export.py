@@ -58,11 +58,12 @@ def _rows(options: dict) -> str:
 
 
 def _per_token(m: Manifest) -> str:
-    """The graphs the runtime runs per decoded token (runtime.engine, default SessionConfig)."""
+    """The graphs the runtime runs per decoded token (runtime.engine, as a greedy `edgellm run` opens it)."""
     if m.granularity == "model":
         return "model.decode (1 run)"
-    if runs_stack(m, SessionConfig()):
-        stack = stack_role(m, SessionConfig())
+    greedy = SessionConfig(exact=True)
+    if runs_stack(m, greedy):
+        stack = stack_role(m, greedy)
         lone = "; sampled runs: stack_lone.decode, no spare attention row" if m.has_lone_stack else ""
         if stack == "stack_lone":  # an int8 cache: the lone-row stack's rows are exact (runtime/variant.LONE_EXACT)
             lone = f"; the lone-row stack, exact with an {m.kv_dtype} cache: no spare attention row"

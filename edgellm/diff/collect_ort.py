@@ -90,7 +90,8 @@ def export_greedy(directory: Path, prompts: list[list[int]], max_new: int, threa
     The Generator leaves EOS out of its tokens; it is put back here so both sides follow `torch_greedy`'s
     convention (EOS is the last token of a continuation that stopped on it).
     """
-    gen = Generator.open(directory, threads, verify=False)  # the manifest was checked by the caller
+    # the manifest was checked by the caller; the spare-row stack, as a greedy `edgellm run` opens it
+    gen = Generator.open(directory, threads, config=SessionConfig(exact=True), verify=False)
     runs = []
     for prompt in prompts:
         result = gen.complete(prompt, SamplingParams(temperature=0.0), StopParams(max_new_tokens=max_new, seed=0))

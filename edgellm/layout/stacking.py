@@ -161,7 +161,8 @@ def check_stack(directory: Path, manifest: Manifest, tokens: Sequence[int], deco
     need(n > 0, "internal: the stack check needs more tokens than decode steps")
     runs = []
     for stack in (True, False):
-        engine, rows, steps = _through_engine(directory, manifest, SessionConfig(stack=stack), tokens, n)
+        engine, rows, steps = _through_engine(directory, manifest, SessionConfig(stack=stack, exact=True),
+                                               tokens, n)
         need(engine.stacked == stack, "internal: the stack check needs an export with a stack graph")
         runs.append(np.concatenate([rows, steps]))
         del engine
