@@ -237,7 +237,7 @@ def test_offset_terms_are_mapped_and_leave_the_rss(grid_export, tmp_path) -> Non
     for t in (5, 9, 200):
         assert np.array_equal(engines[0].forward([t]), engines[1].forward([t]))
     for engine, names in ((engines[0], offsets), (engines[2], searched)):
-        place = engine.placement["stack.decode"]
+        place = engine.placement[f"{engine.stack_role}.decode"]
         assert names <= place.mapped and place.packed_files
         assert all(mapped_kb(f) == 0 for f in place.packed_files), place.packed_files
 

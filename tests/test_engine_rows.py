@@ -77,7 +77,7 @@ def test_hook_sees_each_graphs_outputs(export, stack) -> None:
 
     rows = engine.forward_rows(TOKENS[:PROMPT], hook)
     rows = np.concatenate([rows, engine.forward_rows(TOKENS[PROMPT:PROMPT + 1], hook)])
-    body = (["stack"] if engine.stacked else ["embed"] + [f"layer_{i}" for i in range(m.n_layers)]) + ["head"]
+    body = ([engine.stack_role] if engine.stacked else ["embed"] + [f"layer_{i}" for i in range(m.n_layers)]) + ["head"]
     order = ["model"] if m.granularity == "model" else body
     calls = [(0, 8, 8), (8, 8, 8), (16, 3, 8), (19, 1, 1)]
     assert [(r.spec.name, r.start, r.count) for r in runs] == [
@@ -85,7 +85,7 @@ def test_hook_sees_each_graphs_outputs(export, stack) -> None:
         for start, count, seq in calls for name in order]
     sessions: dict[str, ort.InferenceSession] = {}
     for run in runs:
-        rule = step_feeds(m.kv_layout if run.spec.role in ("layer", "stack") else "rows", run.start, run.spec.seq,
+        rule = step_feeds(m.kv_layout if run.spec.role in ("layer", "stack", "stack_lone") else "rows", run.start, run.spec.seq,
                           m.max_seq)  # the kvcache rule: the position inputs the Engine wrote in place
         for name in set(rule) & set(run.inputs):
             assert np.array_equal(run.inputs[name].reshape(rule[name].shape), rule[name]), (run.spec.name, name)

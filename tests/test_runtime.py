@@ -262,9 +262,9 @@ def test_weights_are_held_once(llama):
     for engine in (layered.engine, gen.engine):
         for value in engine.weights._values.values():
             assert value.numpy().base is not None  # a view, not a copy
-    where = gen.engine.placement
-    assert set(where) == {"stack.prefill", "stack.decode", "head.prefill", "head.decode"}
-    assert where["stack.decode"].prepack and where["stack.decode"].tables == ("embed.data",)
+    where, stack = gen.engine.placement, gen.engine.stack_role   # the lone-row stack until speculation is on
+    assert set(where) == {f"{stack}.prefill", f"{stack}.decode", "head.prefill", "head.decode"}
+    assert where[f"{stack}.decode"].prepack and where[f"{stack}.decode"].tables == ("embed.data",)
     assert sorted(gen.engine.weights._maps) == ["embed.data"]
 
 
@@ -299,9 +299,10 @@ def test_a_tied_table_is_packed_by_the_head_and_gathered_from_the_map(tmp_path_f
 
     directory, model = tiny_export(tmp_path_factory, "qwen2", "layer")
     for stack in (True, False):
-        where = Generator.open(directory, config=SessionConfig(threads=1, stack=stack)).engine.placement
+        engine = Generator.open(directory, config=SessionConfig(threads=1, stack=stack)).engine
+        where = engine.placement
         assert where["head.decode"].prepack and not where["head.decode"].mapped
-        gatherer = where["stack.decode" if stack else "embed.decode"]
+        gatherer = where[f"{engine.stack_role}.decode" if stack else "embed.decode"]
         assert "head.data" in gatherer.tables and gatherer.mapped == gatherer.info.gathered
     # rope.data, read by every layer, holds no weight: the layers still pre-pack their own
     assert where["layer_0.decode"].prepack and where["layer_0.prefill"].release == ("layer_0.data", "rope.data")
