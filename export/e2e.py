@@ -18,6 +18,7 @@ from torch import Tensor
 from edgellm.loaders.lazy import Weights
 from edgellm.runtime.engine import Engine
 from edgellm.runtime.manifest import Manifest
+from edgellm.runtime.session import SessionConfig
 
 from .memory import release_memory
 from .verify import max_abs_diff
@@ -31,8 +32,9 @@ def e2e_lengths(max_seq: int, chunk: int) -> tuple[int, int]:
 
 
 def onnx_logits(directory: Path, manifest: Manifest, tokens: np.ndarray, prompt: int) -> np.ndarray:
-    """Logits [T, V] for `tokens` [T]: the first `prompt` as one prompt, the rest one at a time."""
-    engine = Engine.open(directory, manifest)
+    """Logits [T, V] for `tokens` [T]: the first `prompt` as one prompt, the rest one at a time, through the stack
+    greedy runs decode with (its spare attention row; the lone-row stack is checked against it: stacking.check_lone)."""
+    engine = Engine.open(directory, manifest, SessionConfig(exact=True))
     rows = [engine.forward_rows(tokens[:prompt])]
     rows += [engine.forward_rows(tokens[t:t + 1]) for t in range(prompt, len(tokens))]
     return np.concatenate(rows)
