@@ -26,8 +26,8 @@ decode steps, `Engine.exact_rows`: fused layers, format 10), sampling keeps the 
 where `exact_rows` holds and `speculative.rows_exact_here` measures it so on this CPU, once per export and machine:
 `--speculative auto`, rows_memo.py, edgellm/cli/speculation.py). Which stack decodes (`SessionConfig.exact`): by
 default the export's lone-row stack (format 13: 8-27 % faster decode than with the spare attention row) until
-`speculate` turns speculation on, which reopens the engine on the spare-row stack once (`exact_engine`; a tenth of
-a second at SmolLM2-135M int4, more at larger models: open with `SessionConfig(exact=True)` to start there);
+`speculate` turns speculation on, which reopens the engine on the spare-row stack once (`exact_engine`; ~0.5 s at
+SmolLM2-135M int4, ~0.9 s fp32, more at larger models: open with `SessionConfig(exact=True)` to start there);
 `exact=False` keeps the lone-row stack whatever happens (a Generator that only samples: rejection sampling needs
 no bitwise rows; `exact_rows` is then False). An int8-cache export (format 15) opens the lone-row stack always,
 its rows being exact (variant.LONE_EXACT).
