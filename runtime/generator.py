@@ -160,7 +160,11 @@ class Generator:
             return False
         self.engine = None
         gc.collect()  # the lone stack's packed weights go before the spare-row stack packs its own
-        self.engine = Engine(self.directory, self.manifest, self.cache, exact, self.clock)
+        try:
+            self.engine = Engine(self.directory, self.manifest, self.cache, exact, self.clock)
+        except BaseException:
+            self.engine = Engine(self.directory, self.manifest, self.cache, config, self.clock)  # usable as it was
+            raise
         return True
 
     # ------------------------------------------------------------------------------------------ prompts

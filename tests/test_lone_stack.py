@@ -109,6 +109,28 @@ def test_a_default_generator_decodes_through_it_until_speculation_is_on(fp32: Pa
         SessionConfig(exact="yes").validate()
 
 
+def test_a_reopen_that_fails_leaves_the_generator_decoding(fp32: Path, tmp_path: Path) -> None:
+    """The spare-row stack's session cannot be created (an unknown op; the manifest not verified): `speculate`
+    raises the one-line error and the Generator keeps decoding through the lone-row stack it had."""
+    import shutil
+
+    from edgellm.runtime.generator import Generator
+    from edgellm.runtime.sampling import SamplingParams, StopParams
+
+    broken = tmp_path / "broken"
+    shutil.copytree(fp32, broken)
+    gen = Generator.open(broken, verify=False)
+    greedy, stop = SamplingParams(temperature=0), StopParams(6)
+    before = gen.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids
+    stack = onnx.load(str(broken / STACK_FILE), load_external_data=False)
+    next(x for x in stack.graph.node if is_spare_row_node(x)).op_type = "NoSuchOp"
+    onnx.save(stack, str(broken / STACK_FILE))
+    with pytest.raises(EdgeError, match=STACK_FILE):
+        gen.speculate("lookup")
+    assert gen.engine.stack_role == "stack_lone"
+    assert gen.complete(PROMPT, greedy, stop, ignore_eos=True, text=False).token_ids == before
+
+
 def test_a_named_stack_graph_is_the_one_opened(fp32: Path) -> None:
     """`SessionConfig.stack_graph` overrides what `exact` and the cache type pick (the stacks' comparison uses it);
     asking for a lone stack an export does not have is a one-line error."""
