@@ -149,22 +149,28 @@ class Generator:
         (the same drafts on any machine and load; greedy text is plain decoding's either way)."""
         configure(self, speculative, draft, draft_tokens, config, timed)
 
+    def reopen(self, config: SessionConfig) -> None:
+        """Open the engine again with `config` (the export's other stack), keeping the cache and the context in it.
+        The old engine's packed weights go before the new one packs its own; an engine that fails to open leaves
+        one of the old configuration in place, and the error raised."""
+        old = self.engine.config
+        self.engine = None
+        gc.collect()
+        try:
+            self.engine = Engine(self.directory, self.manifest, self.cache, config, self.clock)
+        except BaseException:
+            self.engine = Engine(self.directory, self.manifest, self.cache, old, self.clock)  # usable as it was
+            raise
+
     def exact_engine(self) -> bool:
         """Reopen the engine on the export's spare-row stack when it was opened with `SessionConfig.exact` None and
         decodes through the lone-row one (speculation is being set up: greedy speculation keeps plain decoding's
-        tokens only where each decode step is a verification row). The context stays: the cache is the
-        Generator's. Returns whether it reopened."""
-        config = self.engine.config
-        exact = dataclasses.replace(config, exact=True)
-        if config.exact is not None or stack_role(self.manifest, exact) == self.engine.stack_role:
-            return False
-        self.engine = None
-        gc.collect()  # the lone stack's packed weights go before the spare-row stack packs its own
-        try:
-            self.engine = Engine(self.directory, self.manifest, self.cache, exact, self.clock)
-        except BaseException:
-            self.engine = Engine(self.directory, self.manifest, self.cache, config, self.clock)  # usable as it was
-            raise
+        tokens only where each decode step is a verification row). Returns whether it reopened."""
+        engine = self.engine
+        exact = dataclasses.replace(engine.config, exact=True)
+        if engine.config.exact is not None or not engine.stacked or stack_role(self.manifest, exact) == engine.stack_role:
+            return False   # a stack pinned, the layer graphs (no stack to change), or the lone one exact already
+        self.reopen(exact)
         return True
 
     # ------------------------------------------------------------------------------------------ prompts

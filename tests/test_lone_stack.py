@@ -105,6 +105,10 @@ def test_a_default_generator_decodes_through_it_until_speculation_is_on(fp32: Pa
     sampled = Generator.open(fp32, config=SessionConfig(exact=False))
     sampled.speculate("lookup")
     assert sampled.engine.stack_role == "stack_lone"
+    layers = Generator.open(fp32, config=SessionConfig(stack=False))
+    engine = layers.engine
+    layers.speculate("lookup")
+    assert layers.engine is engine                        # the layer graphs: no stack to change
     with pytest.raises(EdgeError, match="exact: expected true, false or null, got 'yes'"):
         SessionConfig(exact="yes").validate()
 

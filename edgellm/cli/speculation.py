@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 from pathlib import Path
 
@@ -77,9 +76,7 @@ def open_generator(directory: Path, manifest, config, choice: str, temperature: 
     remember(key, known, directory)
     lone = dataclasses.replace(config, exact=False)
     if not known.exact and choice == "auto" and stack_role(manifest, lone) != gen.engine.stack_role:
-        gen = None
-        gc.collect()  # the spare-row stack's packed weights go before the lone stack packs its own
-        gen = Generator(directory, manifest, lone)
+        gen.reopen(lone)
     return gen, known
 
 
