@@ -16,6 +16,7 @@ Both are deterministic: the draft is a point mass (speculative.accept_sampled's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +34,9 @@ MIN_NGRAM = 2
 # up again a few tokens on: the suffix, down to its last token, is looked for there first (`PromptLookup.resume`)
 # before anywhere else, where the latest occurrence of a short suffix (", the") is often another sentence's
 RESUME_WINDOW = 4
+# a draft export catches up on a few tokens (the last of a draft accepted whole and the token after it) in one S = n
+# run of its stack, as a verification runs: through the prefill graph such a feed cost a padded chunk of 32 rows
+SHORT_FEED = 8
 
 
 class PromptLookup:
@@ -122,7 +126,8 @@ class DraftModel:
     def __init__(self, directory: Path, target_vocab: int, config, target_tokenizer: Path | None) -> None:
         from .generator import Generator  # the draft is opened like any export (sha256 checked)
 
-        self.gen = Generator.open(directory, config=config)
+        # its own rows need match nothing, only be fast: the lone-row stack (no spare attention row) where it has one
+        self.gen = Generator.open(directory, config=dataclasses.replace(config, exact=False))
         m = self.gen.manifest
         need(m.vocab_size == target_vocab,
              f"--draft {directory}: vocabulary of {m.vocab_size} tokens, the target has {target_vocab}: a draft "
@@ -143,22 +148,36 @@ class DraftModel:
         return read_json_bytes(safe_join(directory, self.gen.manifest.tokenizer["file"])) == read_json_bytes(target)
 
     def reset(self, tokens: Sequence[int]) -> None:
-        """A new context (the draft cache keeps what it shares with it: `propose` rewinds to that)."""
+        """A new context, fed to the draft cache now (from the prefix it shares with the last one): its prefill is
+        the prompt's, not the first verification's, whose measured cost would otherwise make drafting look dear."""
         self.tokens = [int(t) for t in tokens]
+        if 0 < len(self.tokens) < self.cache.max_seq:
+            self._feed(len(self.tokens))
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
+
+    def _feed(self, end: int) -> np.ndarray:
+        """The draft cache rewound to the prefix it shares with context[:end] (the last token always fed again:
+        its logits start a draft) and the rest fed; returns the last row's logits."""
+        ctx, cache = self.tokens, self.cache
+        n = min(cache.length, end - 1)
+        same = np.flatnonzero(self.fed[:n] != np.asarray(ctx[:n], np.int64))
+        keep = int(same[0]) if len(same) else n
+        cache.rewind(keep)
+        fresh = ctx[keep:end]
+        if 1 < len(fresh) <= SHORT_FEED and self.engine.any_rows:
+            logits = self.engine.few_rows(fresh)[-1]  # one S = n call, not a padded prefill chunk
+        else:
+            logits = self.engine.forward(fresh)
+        self.fed[keep:end] = fresh
+        return logits
 
     def propose(self, k: int) -> list[int]:
         ctx, cache = self.tokens, self.cache
         if k <= 0 or len(ctx) + k > cache.max_seq:
             return []
-        n = min(cache.length, len(ctx) - 1)  # feed at least the last token: its logits start the draft
-        same = np.flatnonzero(self.fed[:n] != np.asarray(ctx[:n], np.int64))
-        keep = int(same[0]) if len(same) else n
-        cache.rewind(keep)
-        logits = self.engine.forward(ctx[keep:])
-        self.fed[keep:len(ctx)] = ctx[keep:]
+        logits = self._feed(len(ctx))
         out: list[int] = []
         while True:
             out.append(int(np.argmax(logits)))

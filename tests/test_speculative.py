@@ -147,6 +147,21 @@ def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     plain, _ = greedy_ids(gen, "off")
     same, stats = greedy_ids(gen, "draft", draft=llama)  # the target as its own draft: every draft is right
     assert same == plain and stats["accepted"] >= 0.8 * stats["drafted"] > 0, stats
+    drafter = gen._draft
+    # the draft runs the lone-row stack (its rows match nothing, only its speed counts), and a new context is
+    # fed to its cache when the generation starts, not at the first verification (whose measured cost it was)
+    assert drafter.engine.stack_role == "stack_lone" and gen.engine.stack_role == "stack"
+    drafter.reset(PROMPT[:10])
+    assert drafter.cache.length == 10 and list(drafter.fed[:10]) == PROMPT[:10]
+    drafter.reset(PROMPT[:6] + [1, 2])  # only what differs from the fed prefix is fed again
+    assert drafter.cache.length == 8 and list(drafter.fed[:8]) == PROMPT[:6] + [1, 2]
+    drafter.reset(PROMPT[:10])
+    drafter.engine._few.clear()    # forget the S = n runs the generation above bound
+    drafter.extend(PROMPT[10:12])  # a draft accepted whole: its last token and the one after it, fed in one S = 2 run
+    caught_up = drafter.propose(4)
+    assert 2 in drafter.engine._few and drafter.cache.length == 12 + 3
+    drafter.reset(PROMPT[:12])     # the same context fed as a prompt (the prefill graph)
+    assert drafter.propose(4) == caught_up
     other = export(tmp_path, "llama2", "layer", "fused", seed=1, n_layers=1)  # a different model, same vocab
     got, stats = greedy_ids(gen, "draft", draft=other, draft_tokens=3)
     assert got == plain and stats["drafted"] > 0
