@@ -2,7 +2,7 @@
 alternating rounds; every case must give the same greedy tokens both ways (asserted).
 
     python bench/speculative.py EXPORT [EXPORT ...] [--rounds 3] [--new-tokens 192] [--threads 2]
-                                [--draft-tokens K [K ...]]
+                                [--draft-tokens K [K ...]] [--draft DIR]
 
 Tasks (chat template, greedy, EOS ends a run): grounded ones hold TEXT (~330 tokens) or CODE in the prompt and
 ask to repeat, correct, extract from or edit it; free-form ones hold nothing to copy. Prints decode tok/s per
@@ -11,7 +11,8 @@ the machine's load average (the VM is shared), and per task the oracle bound (be
 ratio a policy knowing the tokens in advance would reach with the same drafter at verification costs measured
 here, at the task's context) and those costs. `--draft-tokens 16 32` runs lookup once per k_max in each round
 (the order rotating; a column each, each with cost estimates of its own), to compare settings on the same
-tokens. `--json FILE` writes every measurement.
+tokens. `--draft DIR` adds a column: `--speculative draft` with that export (same tokenizer, e.g. the target's own
+int4 `--profile small` export) as the drafter, k_max the runtime's. `--json FILE` writes every measurement.
 """
 
 from __future__ import annotations
@@ -72,27 +73,28 @@ TASKS = {
 
 
 def run_case(gen, ids: list[int], mode: str, new_tokens: int, draft_tokens: int | None = None,
-             costs=None) -> tuple[float, list[int], dict | None]:
+             costs=None, draft: Path | None = None) -> tuple[float, list[int], dict | None]:
     """One greedy generation; `costs`: the draft_length.Costs this setting keeps across its runs (a process has one
     k_max, so settings compared in one process must not share cost estimates), None: the Generator's."""
     from edgellm.runtime.draft_length import DRAFT_TOKENS
     from edgellm.runtime.sampling import SamplingParams, StopParams
 
-    gen.speculate(mode, draft_tokens=draft_tokens or DRAFT_TOKENS)
+    gen.speculate(mode, draft=draft, draft_tokens=draft_tokens or DRAFT_TOKENS)  # a draft export opens once
     if costs is not None:
         gen.costs = costs
     r = gen.complete(ids, SamplingParams(temperature=0), StopParams(new_tokens), text=False)
     return r.timings.decode_tok_s, r.token_ids, r.speculative
 
 
-def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[int]) -> dict:
+def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[int],
+          draft: Path | None = None) -> dict:
     from edgellm.runtime.draft_length import Costs
     from edgellm.runtime.generator import Generator
     from edgellm.runtime.session import SessionConfig
 
     gen = Generator.open(directory, config=SessionConfig(threads=threads, shared_pool=True, exact=True))
     prompts = {name: gen.chat_ids([{"role": "user", "content": text}]) for name, (_, text) in TASKS.items()}
-    settings = ["off", *(f"k{k}" for k in ks)]  # plain, then lookup at each k_max
+    settings = ["off", *(f"k{k}" for k in ks)] + (["draft"] * (draft is not None))  # plain, lookup per k_max, draft
     costs = {s: Costs() for s in settings[1:]}  # each k_max its own estimates, as in a process of its own
     speeds: dict[str, dict[str, list[float]]] = {t: {s: [] for s in settings} for t in TASKS}
     stats: dict[str, dict[str, dict]] = {t: {} for t in TASKS}
@@ -103,8 +105,9 @@ def bench(directory: Path, rounds: int, new_tokens: int, threads: int, ks: list[
             shift = rnd % len(settings)
             got = {}
             for setting in settings[shift:] + settings[:shift]:
-                mode, k = ("off", None) if setting == "off" else ("lookup", int(setting[1:]))
-                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens, k, costs.get(setting))
+                mode, k = (setting, None) if setting in ("off", "draft") else ("lookup", int(setting[1:]))
+                tok_s, tokens, spec = run_case(gen, ids, mode, new_tokens, k, costs.get(setting),
+                                               draft if mode == "draft" else None)
                 got[setting] = tokens
                 if rnd:
                     speeds[name][setting].append(tok_s)
@@ -145,7 +148,8 @@ def table(directory: Path, res: dict) -> list[str]:
             b = res["bounds"][name].get(setting, float("nan"))
             bounds[setting][group].append(b)
             cells.append(f"{setting} {statistics.median(s[setting]):.1f} {r:.2f}x ({min(per_round):.2f}-"
-                         f"{max(per_round):.2f}) {st.get('accepted')}/{st.get('drafted')} bound {b:.2f}x")
+                         f"{max(per_round):.2f}) {st.get('accepted')}/{st.get('drafted')}"
+                         + (f" bound {b:.2f}x" if setting != "draft" else ""))  # the oracle's is lookup's
         lines.append(f"  {name:<10} {group:<9} " + " | ".join(cells))
     for name, at in res["differ"].items():
         lines.append(f"  {name}: TOKENS DIFFER from plain greedy from new token {at}")
@@ -154,8 +158,9 @@ def table(directory: Path, res: dict) -> list[str]:
     for setting, by_group in ratios.items():
         for group, rs in by_group.items():
             lines.append(f"  {setting} {group}: median ratio {statistics.median(rs):.2f}x "
-                         f"(tasks {', '.join(f'{r:.2f}' for r in rs)}); oracle bound median "
-                         f"{statistics.median(bounds[setting][group]):.2f}x")
+                         f"(tasks {', '.join(f'{r:.2f}' for r in rs)})"
+                         + (f"; oracle bound median {statistics.median(bounds[setting][group]):.2f}x"
+                            if setting != "draft" else ""))
     for name, curve in res["costs"].items():
         lines.append(f"  {name}: a verification of k = 1, 2, 4, 8, 16 drafts costs "
                      + ", ".join(f"{curve[k]:.2f}" for k in (1, 2, 4, 8, 16) if k < len(curve)) + " plain steps")
@@ -170,6 +175,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=None, metavar="K",
                     help="lookup's k_max, one setting per K (default: the runtime's DRAFT_TOKENS)")
+    ap.add_argument("--draft", type=Path, help="also --speculative draft with this export as the drafter")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     from edgellm.runtime.draft_length import DRAFT_TOKENS
@@ -177,7 +183,7 @@ def main() -> None:
     ks = args.draft_tokens or [DRAFT_TOKENS]
     results = {}
     for directory in args.exports:
-        results[str(directory)] = bench(directory, args.rounds, args.new_tokens, args.threads, ks)
+        results[str(directory)] = bench(directory, args.rounds, args.new_tokens, args.threads, ks, args.draft)
         for line in table(directory, results[str(directory)]):
             print(line, flush=True)
     if args.json:

@@ -128,6 +128,7 @@ class DraftModel:
 
         # its own rows need match nothing, only be fast: the lone-row stack (no spare attention row) where it has one
         self.gen = Generator.open(directory, config=dataclasses.replace(config, exact=False))
+        self.directory = Path(directory)
         m = self.gen.manifest
         need(m.vocab_size == target_vocab,
              f"--draft {directory}: vocabulary of {m.vocab_size} tokens, the target has {target_vocab}: a draft "

@@ -114,9 +114,9 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
     need(isinstance(draft_tokens, int) and 1 <= draft_tokens <= 32,
          f"draft_tokens: expected an integer in 1..32, got {draft_tokens!r}")
     need((speculative == "draft") == (draft is not None), "draft: needed by `speculative` 'draft', and only there")
-    model = None
-    if speculative == "draft":  # opened first: a bad draft leaves the generator as it was
-        from .drafting import DraftModel
+    model = gen._draft  # an open draft export stays open across mode switches, until another replaces it
+    if speculative == "draft" and not (model is not None and config is None and model.directory == Path(draft)):
+        from .drafting import DraftModel  # opened first: a bad draft leaves the generator as it was
         from .fileio import safe_join
 
         tok = gen.manifest.tokenizer
@@ -124,10 +124,11 @@ def configure(gen, speculative: str, draft, draft_tokens: int, config, timed: bo
         model = DraftModel(Path(draft), gen.manifest.vocab_size, config or gen.engine.config, target)
     # an engine opened with `SessionConfig.exact` None decoded through the lone-row stack: now the spare-row one
     reopened = speculative != "off" and gen.exact_engine()
-    # costs measured so far stay valid while the engine and the drafter's own cost stay: kept across "off" /
-    # "lookup" switches (a benchmark alternating them, a chat toggling it), measured again for a draft export
-    no_draft_export = model is None and gen._draft is None  # before and after: the drafter's cost is unchanged
-    keep = timed and no_draft_export and gen.costs is not None and not reopened
+    # costs measured so far stay valid while the engine and the drafter's cost stay: kept across "off" / "lookup"
+    # switches (a benchmark alternating them, a chat toggling it) and for the same open draft export, measured
+    # again when the drafter changes (a draft export's verifications include its steps)
+    same_drafter = (speculative == "draft") == (gen.speculative == "draft") and model is gen._draft
+    keep = timed and same_drafter and gen.costs is not None and not reopened
     if not keep:
         gen.costs = Costs() if timed else None
     gen.speculative, gen.draft_tokens, gen._draft = speculative, draft_tokens, model

@@ -162,9 +162,12 @@ def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     assert 2 in drafter.engine._few and drafter.cache.length == 12 + 3
     drafter.reset(PROMPT[:12])     # the same context fed as a prompt (the prefill graph)
     assert drafter.propose(4) == caught_up
+    gen.speculate("off")
+    gen.speculate("draft", draft=llama)
+    assert gen._draft is drafter   # the open draft export is kept across mode switches, not opened again
     other = export(tmp_path, "llama2", "layer", "fused", seed=1, n_layers=1)  # a different model, same vocab
     got, stats = greedy_ids(gen, "draft", draft=other, draft_tokens=3)
-    assert got == plain and stats["drafted"] > 0
+    assert got == plain and stats["drafted"] > 0 and gen._draft is not drafter
     small = export(tmp_path, "llama2", "layer", "fused", vocab_size=128)
     with pytest.raises(EdgeError, match="vocabulary of 128 tokens, the target has 256"):
         gen.speculate("draft", draft=small)
