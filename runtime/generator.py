@@ -146,7 +146,9 @@ class Generator:
         """Speculative decoding on ("lookup": prompt lookup; "draft": the export `draft`, same tokenizer, as the
         drafter; up to `draft_tokens` drafts per verification) or "off" (runtime/speculative.py `configure`).
         `timed` False: how many tokens to draft follows from the tokens alone, not from measured step times
-        (the same drafts on any machine and load; greedy text is plain decoding's either way)."""
+        (the same drafts on any machine and load; greedy text is plain decoding's either way). A draft export, once
+        open, stays open across mode switches (asking for the same directory again reuses it) until another
+        replaces it."""
         configure(self, speculative, draft, draft_tokens, config, timed)
 
     def reopen(self, config: SessionConfig) -> None:
