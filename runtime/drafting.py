@@ -160,7 +160,7 @@ class DraftModel:
 
     def _feed(self, end: int) -> np.ndarray:
         """The draft cache rewound to the prefix it shares with context[:end] (the last token always fed again:
-        its logits start a draft) and the rest fed; returns the last row's logits."""
+        its logits start a draft) and the rest fed; returns the last row's logits in the head's column order."""
         ctx, cache = self.tokens, self.cache
         n = min(cache.length, end - 1)
         same = np.flatnonzero(self.fed[:n] != np.asarray(ctx[:n], np.int64))
@@ -168,9 +168,9 @@ class DraftModel:
         cache.rewind(keep)
         fresh = ctx[keep:end]
         if 1 < len(fresh) <= SHORT_FEED and self.engine.any_rows:
-            logits = self.engine.few_rows(fresh)[-1]  # one S = n call, not a padded prefill chunk
+            logits = self.engine.few_columns(fresh)[-1]  # one S = n call, not a padded prefill chunk
         else:
-            logits = self.engine.forward(fresh)
+            logits = self.engine.forward_columns(fresh)
         self.fed[keep:end] = fresh
         return logits
 
@@ -179,10 +179,11 @@ class DraftModel:
         if k <= 0 or len(ctx) + k > cache.max_seq:
             return []
         logits = self._feed(len(ctx))
+        token = self.engine.columns.token  # the greedy id read off the head's columns, no reordering per step
         out: list[int] = []
         while True:
-            out.append(int(np.argmax(logits)))
+            out.append(token(logits))
             if len(out) == k:
                 return out
             self.fed[cache.length] = out[-1]
-            logits = self.engine.forward(out[-1:])
+            logits = self.engine.forward_columns(out[-1:])
