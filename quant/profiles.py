@@ -16,11 +16,13 @@ every linear already on a llama.cpp grid (a model converted from a GGUF, grids.p
   rows (the setting until 2026-11-28) gave 0.198 at 89.7 / 0.135 at 196.7, but a head of 151936 rows then holds
   +13 MB more int8 bytes than at 10 %, read every step: Qwen2.5-0.5B shape decode 0.94x onnxruntime-genai (int4
   head) at 30 %, 0.99x at 10 %, 1.01x with an int4 head (whose KL on Gemma is 0.237: too close to Q4_0's).
-- On grids (both): the linears kept exactly (method "grid"), 45 % of the table's rows int8 (its int4 rows are most
-  of the error left: Gemma 3 270M KL 0.0110 -> 0.0031 for +11 MB), no int8 fraction (a kept grid holds nothing more
-  to recover); `balanced` float32 scales (released once packed: less peak RSS), `small` float16 ones: with float32
-  scales it was the default's size, above Q4_0's (SmolLM2 on its Q4_1 grid 105.0 MB vs Q4_0 91.7; float16 91.1 MB,
-  Gemma 3 on its Q4_K_M grids 240.9 vs 241.4, the same KL, 2026-11-27/28).
+- On grids (both): the linears kept exactly (method "grid"), no int8 fraction (a kept grid holds nothing more to
+  recover). `balanced`: 45 % of the table's rows int8 (its int4 rows are most of the error left: Gemma 3 270M KL
+  0.0110 -> 0.0031 for +11 MB), float32 scales (released once packed: less peak RSS). `small`: float16 scales (with
+  float32 ones it was the default's size, above Q4_0's: SmolLM2 on its Q4_1 grid 105.0 MB vs Q4_0 91.7) and its
+  10 % of the table's rows, as on float weights: against 45 % (bench/quant_vs_llamacpp.py 'int4 small rows10',
+  2026-11-28 14:34-14:41) SmolLM2 KL 0.0308 at 86.1 MB (45 %: 0.0171 at 91.0; Q4_0 0.3717 at 91.7), decode 1.05x;
+  Gemma 3 0.0221 at 211.3 MB (0.0029 at 240.6; Q4_0 0.3618 at 241.4), decode 1.08x, peak RSS 381 vs 408 MB.
 --bits 8: AWQ's clip search on float weights (SmolLM2 off its grid 0.0055 vs Q8_0 0.0059 at 22:05); on a grid
 rounded to nearest, which keeps Q8_0 / Q5_0 tensors exactly (Gemma 3: 0.0031 vs AWQ 0.0033, Q8_0 0.0032).
 """
@@ -42,7 +44,7 @@ PROFILES: dict[str, dict[int, dict[str, Any]]] = {
 _GRIDS_4 = {"head_int8_rows": 0.45, "int8_fraction": 0.0, "scales_dtype": "auto"}
 ON_GRIDS: dict[str, dict[int, dict[str, Any]]] = {
     "balanced": {4: _GRIDS_4, 8: {"method": "rtn"}},
-    "small": {4: {**_GRIDS_4, "scales_dtype": "float16"}},   # Q4_0's class: under its size on a grid too
+    "small": {4: {"int8_fraction": 0.0, "scales_dtype": "float16"}},   # Q4_0's class, the faster: the table's 10 %
 }
 GRID_FIELDS = frozenset(k for p in ON_GRIDS.values() for d in p.values() for k in d)  # QuantizeOptions.on_grids's
 OFFSET_METHODS = ("mse", "awq")   # the methods that search block offsets (rtn takes min..max, gptq none)

@@ -121,12 +121,14 @@ def test_a_q4_k_m_like_mix_comes_back_exactly(mix_export, tmp_path, capsys) -> N
         (8, 32, False), (4, 32, True), (8, 16, False)}
     assert main(["info", str(out)]) == 0
     assert "on their own grids (3 4-bit, 3 of them with block minima; 5 8-bit)" in capsys.readouterr().out
-    # --profile small keeps the same grids with float16 scales and offsets: a smaller file (Q4_0's class)
+    # --profile small keeps the same grids with float16 scales and offsets and its 10 % of the table's rows int8: a
+    # smaller file (Q4_0's class) that decodes faster
     small = tmp_path / "small"
     assert main(["quantize", str(mix_export), "-o", str(small), "--bits", "4", "--profile", "small", "--no-progress",
                  "--no-check"]) == 0
     s_record = json.loads((small / "manifest.json").read_text())["quantization"]
-    assert (s_record["options"]["method"], s_record["options"]["scales_dtype"]) == ("grid", "float16")
+    assert (s_record["options"]["method"], s_record["options"]["scales_dtype"],
+            s_record["options"]["head_int8_rows"]) == ("grid", "float16", 0.1)
     assert {n: (w["bits"], w["block_size"], w["offsets"]) for n, w in s_record["weights"].items()} == {
         n: (w["bits"], w["block_size"], w["offsets"]) for n, w in record["weights"].items()}
 

@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default): where every linear already lies on a llama.cpp grid (a model converted from a "
                         "4-bit GGUF: Q4_0, Q4_1, a Q4_K_M mix), each is kept exactly on its own (4-bit, with offsets "
                         "where it has them; its Q5_0/Q6_K/Q8_0 tensors int8) and 45 %% of the table's rows int8 "
-                        "(--bits 8: rounded to nearest instead of AWQ); on float weights the profile's (balanced: "
+                        "(--profile small: its 10 %%; --bits 8: rounded to nearest instead of AWQ); on float weights the profile's (balanced: "
                         "on, small: off). on: offsets for any weights (--method rtn: each block's min..max; mse/awq: "
                         "llama.cpp's k-quant search of step and offset, weighted by calibration activations); off: "
                         "never, and no grid kept")
