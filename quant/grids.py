@@ -108,15 +108,21 @@ def resolve(src: Path, manifest: Manifest, options: QuantizeOptions,
 def _int8(src: Path, manifest: Manifest, options: QuantizeOptions, log: Callable[[str], None]) -> QuantizeOptions:
     """`--bits 8`: AWQ (the profile's int8 method) is the better int8 of float weights, but weights that lie on a
     llama.cpp grid it moves off, where rounding to nearest keeps them (profiles.py): a model converted from a GGUF
-    (its first linear on a grid) gets `on_grids` (the method rtn, unless --method was given)."""
-    if not options.on_grids or not _first_on_grid(src, manifest, options):
+    (every linear on a grid) gets `on_grids` (the method rtn, unless --method was given)."""
+    if not options.on_grids or not _all_on_grids(src, manifest, options):
         return options
     log("--block-min auto: the linears lie on llama.cpp grids (a model converted from a GGUF): int8 rounds them to "
         "nearest (--method rtn), which keeps them closer than AWQ's search")
     return dataclasses.replace(options, **dict(options.on_grids))
 
 
-def _first_on_grid(src: Path, manifest: Manifest, options: QuantizeOptions) -> bool:
-    """Whether the first linear the plan quantizes (K a multiple of 32) lies on a llama.cpp grid at blocks of 32."""
-    w = next((w for _, w, _ in _linears(src, manifest, options) if w.shape[1] % 32 == 0), None)
-    return w is not None and own_scheme(w, 32) is not None
+def _all_on_grids(src: Path, manifest: Manifest, options: QuantizeOptions) -> bool:
+    """Whether every linear the plan quantizes (K a multiple of 32) lies on a llama.cpp grid at blocks of 32, as a
+    GGUF's all do (the 4-bit rule's, `own_grids`); float weights end the scan at their first linear."""
+    seen = False
+    for _, w, _ in _linears(src, manifest, options):   # one weight in memory at a time
+        if w.shape[1] % 32 == 0:
+            if own_scheme(w, 32) is None:
+                return False
+            seen = True
+    return seen

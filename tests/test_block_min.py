@@ -162,6 +162,16 @@ def test_int8_is_awq_on_float_weights_and_rounds_a_grid_to_nearest(grid_export, 
     assert not record.get("calibration")
     code, _, record = _quantize(grid_dir, tmp_path / "grid8-awq", capsys, "--bits", "8", "--block-min", "off")
     assert code == 0 and record["options"]["method"] == "awq"
+    # only the first layer's linears on a grid (a float model, fine-tuned from one, say): not a GGUF's, AWQ stays
+    model = tiny_model("llama2", seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("layers.0.") and p.dim() == 2:
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), MIN))))
+    export_model(model, tmp_path / "part", ExportOptions(granularity="layer", **OPTIONS), progress=False,
+                 log=lambda _: None)
+    code, err, record = _quantize(tmp_path / "part", tmp_path / "part8", capsys, "--bits", "8")
+    assert code == 0 and "--block-min" not in err and record["options"]["method"] == "awq"
 
 
 def test_block_min_mse_calibrates_and_beats_min_to_max_on_float_weights(grid_export, tmp_path, capsys) -> None:
