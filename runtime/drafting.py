@@ -11,7 +11,8 @@ target model then checks in one forward over k + 1 rows.
 - `DraftModel`: a smaller export with the same tokenizer, run greedily through its own Engine and cache;
   its cache is rewound (`KVCache.rewind`, the one cache rule) to the longest prefix the context still shares
   with what it was fed.
-Both are deterministic: the draft is a point mass (speculative.accept_sampled's q = None).
+Greedy drafts are deterministic, a point mass (speculative.accept_sampled's q = None); in a sampled run a draft
+export draws its drafts from its own sampling distribution and hands that q over (`DraftModel.propose_sampled`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import need
+from .sampling import SamplingParams
+from .speculative import draw, target_probs
 
 # the longest suffix that occurred before picks where to copy from: 6 rather than 3 tokens tells apart the places a
 # short phrase recurs (SmolLM2-135M code edit: 137 vs 120 tok/s fp32, 283 vs 254 int4; the other tasks within 3 %)
@@ -120,8 +123,11 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A smaller export run greedily as the drafter: `propose` feeds it the context it has not seen yet (its
-    cache first rewound to the prefix it shares with the context) and decodes k tokens."""
+    """A smaller export run as the drafter: `propose` feeds it the context it has not seen yet (its cache first
+    rewound to the prefix it shares with the context) and decodes k tokens greedily; `propose_sampled` draws them
+    from its own sampling distribution, for a sampled run's rejection sampling."""
+
+    draws = True  # sampled runs call propose_sampled (PromptLookup's drafts are a point mass)
 
     def __init__(self, directory: Path, target_vocab: int, config, target_tokenizer: Path | None) -> None:
         from .generator import Generator  # the draft is opened like any export (sha256 checked)
@@ -173,6 +179,29 @@ class DraftModel:
             logits = self.engine.forward_columns(fresh)
         self.fed[keep:end] = fresh
         return logits
+
+    def propose_sampled(self, k: int, params: SamplingParams, rng: np.random.Generator,
+                        history: np.ndarray) -> tuple[list[int], np.ndarray | None]:
+        """`propose` for a sampled run: each draft drawn from the draft's own sampling distribution q (the run's
+        filters and repetition penalty over `history`, the ids before the first draft, and the drafts before it:
+        `target_probs`), returned with q [k, V] for rejection sampling (speculative.accept_sampled), which then
+        accepts a draft with probability sum(min(p, q)) instead of a point mass's p(d)."""
+        ctx, cache = self.tokens, self.cache
+        if k <= 0 or len(ctx) + k > cache.max_seq:
+            return [], None
+        logits = self._feed(len(ctx))
+        vocab = self.engine.columns.vocab
+        penalise = params.repetition_penalty != 1.0
+        out: list[int] = []
+        q = np.empty((k, self.gen.manifest.vocab_size), np.float64)
+        while True:
+            i = len(out)
+            q[i] = target_probs(vocab(logits), params, np.append(history, out) if penalise and out else history)
+            out.append(draw(q[i], rng))
+            if len(out) == k:
+                return out, q
+            self.fed[cache.length] = out[-1]
+            logits = self.engine.forward_columns(out[-1:])
 
     def propose(self, k: int) -> list[int]:
         ctx, cache = self.tokens, self.cache

@@ -195,6 +195,27 @@ def test_sampled_speculation_gives_plain_samplings_tokens(llama: Path) -> None:
         assert len(work) == 2  # other drafts and verifications, the same text
 
 
+def test_sampled_draft_export_draws_its_drafts(llama: Path) -> None:
+    """In a sampled run a draft export draws each draft from its own sampling distribution q (the run's filters
+    and repetition penalty) and hands q to rejection sampling, which accepts with probability sum(min(p, q)): the
+    target as its own draft (q = p up to the two stacks' rounding) has nearly every draft accepted at a temperature
+    where a point mass on its greedy pick would mostly be rejected (p(d) of a near-flat distribution)."""
+    gen = Generator.open(llama)
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, repetition_penalty=1.1)
+    gen.speculate("draft", draft=llama, timed=False)
+    got = gen.complete(PROMPT, params, StopParams(NEW, seed=3), ignore_eos=True, text=False)
+    st = got.speculative
+    assert len(got.token_ids) == NEW and st["drafted"] > 0 and st["accepted"] >= 0.9 * st["drafted"], st
+    drafter = gen._draft
+    drafter.reset(PROMPT)
+    history = np.asarray(PROMPT, np.int64)
+    drafts, q = drafter.propose_sampled(4, params, np.random.default_rng(0), history)
+    assert q.shape == (4, 256) and np.allclose(q.sum(axis=1), 1.0)
+    assert all(q[i, d] > 0 for i, d in enumerate(drafts))
+    assert q.max() < 0.9  # near-flat at this temperature: a point-mass draft would be accepted with p(d) < 0.9
+    assert drafter.propose_sampled(0, params, np.random.default_rng(0), history) == ([], None)
+
+
 def test_sampled_speculation_reads_a_split_heads_columns(llama: Path, tmp_path: Path) -> None:
     """A head quantized by rows gives its logits in column order (runtime/columns.py): sampled acceptance reorders
     each row it reads, and the text is still plain sampling's for the seed."""
