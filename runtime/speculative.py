@@ -204,6 +204,8 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
             # the token is fed with up to k drafts; the verification must leave >= 1 free row (see Generator)
             room = min(cache.free - 2, max_new - emitted - 1)
             k = min(adaptive.budget(), room) if room > 0 else 0
+            if k > 0:
+                drafter.sync()  # a draft export's catch-up after a pause: paid, not counted as drafting's cost
             t0 = perf_counter()  # a verification's cost includes drafting (a draft export's k steps)
             start = cache.length
             q = None  # the drafts' distributions, where the drafter draws them (a draft export, sampling)

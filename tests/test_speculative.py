@@ -162,6 +162,16 @@ def test_draft_export_drafter(llama: Path, tmp_path: Path) -> None:
     assert 2 in drafter.engine._few and drafter.cache.length == 12 + 3
     drafter.reset(PROMPT[:12])     # the same context fed as a prompt (the prefill graph)
     assert drafter.propose(4) == caught_up
+    # tokens decoded while drafting paused: `sync` (before a verification's timer) feeds all but the last
+    drafter.reset(PROMPT[:12])
+    drafter.extend(PROMPT[12:20])
+    drafter.sync()
+    assert drafter.cache.length == 19 and list(drafter.fed[:19]) == PROMPT[:19]
+    drafter.sync()                 # nothing left to catch up on: no feed
+    assert drafter.cache.length == 19
+    synced = drafter.propose(4)
+    drafter.reset(PROMPT[:20])     # the same context fed as a prompt
+    assert drafter.propose(4) == synced
     gen.speculate("off")
     gen.speculate("draft", draft=llama)
     assert gen._draft is drafter   # the open draft export is kept across mode switches, not opened again
