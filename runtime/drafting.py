@@ -200,32 +200,31 @@ class DraftModel:
         filters and repetition penalty over `history`, the ids before the first draft, and the drafts before it:
         `target_probs`), returned with q [k, V] for rejection sampling (speculative.accept_sampled), which then
         accepts a draft with probability sum(min(p, q)) instead of a point mass's p(d)."""
-        ctx, cache = self.tokens, self.cache
-        if k <= 0 or len(ctx) + k > cache.max_seq:
-            return [], None
-        logits = self._feed(len(ctx))
-        vocab = self.engine.columns.vocab
-        penalise = params.repetition_penalty != 1.0
-        out: list[int] = []
-        q = np.empty((k, self.gen.manifest.vocab_size), np.float64)
-        while True:
+        q = np.empty((max(k, 0), self.gen.manifest.vocab_size), np.float64)
+        vocab, penalise = self.engine.columns.vocab, params.repetition_penalty != 1.0
+
+        def pick(logits: np.ndarray, out: list[int]) -> int:
             i = len(out)
             q[i] = target_probs(vocab(logits), params, np.append(history, out) if penalise and out else history)
-            out.append(draw(q[i], rng))
-            if len(out) == k:
-                return out, q
-            self.fed[cache.length] = out[-1]
-            logits = self.engine.forward_columns(out[-1:])
+            return draw(q[i], rng)
+
+        out = self._decode(k, pick)
+        return (out, q) if out else ([], None)
 
     def propose(self, k: int) -> list[int]:
+        token = self.engine.columns.token  # the greedy id read off the head's columns, no reordering per step
+        return self._decode(k, lambda logits, _out: token(logits))
+
+    def _decode(self, k: int, pick) -> list[int]:
+        """k drafts, each `pick(logits in the head's column order, the drafts so far)` after the context and the
+        drafts before it ([] when k < 1 or they would not fit the draft cache)."""
         ctx, cache = self.tokens, self.cache
         if k <= 0 or len(ctx) + k > cache.max_seq:
             return []
         logits = self._feed(len(ctx))
-        token = self.engine.columns.token  # the greedy id read off the head's columns, no reordering per step
         out: list[int] = []
         while True:
-            out.append(token(logits))
+            out.append(pick(logits, out))
             if len(out) == k:
                 return out
             self.fed[cache.length] = out[-1]

@@ -190,7 +190,7 @@ def speculative_tokens(gen, drafter, k_max: int, pick: Callable[[np.ndarray], in
     # a draft export draws its drafts when sampling: q [k, V] beside them, accepted with probability sum(min(p, q))
     # instead of a point mass's p(d) (SmolLM2-135M fp32, its int4 small export drafting, T 0.8, top-k 40, top-p
     # 0.95: 1.14-1.27x plain on five tasks, point-mass drafts 0.89-1.12x; k from measured costs 0.82-0.97x)
-    draws = sampling is not None and getattr(drafter, "draws", False)
+    draws = sampling is not None and drafter.draws
     drafter.reset(history[:cache.length].tolist())
     valid = cache.length
     emitted = 0
